@@ -1,0 +1,51 @@
+"""Reference attention over a ragged batch, in plain torch.
+
+One function serves every case the engine produces: a sequence's new queries
+attend to its cached context plus, causally, to each other. The cache is one
+flat pool of slots per layer (``[num_slots, kv_heads, head_dim]``); a slot cache
+and a paged cache differ only in how the metadata's ``context_index`` was built
+from their block tables. Sequences are padded *inside attention only* (to the
+longest query and context of the step); all other layers see the flat tokens.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .metadata import AttentionMetadata
+
+
+def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     meta: AttentionMetadata,
+                     k_cache: torch.Tensor | None = None,
+                     v_cache: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention for ``T`` flat tokens.
+
+    q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]`` (this step's new tokens).
+    k_cache, v_cache: ``[num_slots, Hkv, D]`` views of one layer's pool, or None
+    for a cache-free forward. New K/V are written at ``meta.slot_mapping`` first,
+    then each sequence reads its whole context through ``meta.context_index``.
+    Returns ``[T, Hq, D]``.
+    """
+    T, Hq, D = q.shape
+    Hkv = k.shape[1]
+    G = Hq // Hkv
+    S, Qmax, Lmax = meta.num_seqs, meta.max_query_len, meta.max_seq_len
+
+    if k_cache is not None:
+        k_cache.index_copy_(0, meta.slot_mapping, k)
+        v_cache.index_copy_(0, meta.slot_mapping, v)
+        keys, values = k_cache[meta.context_index], v_cache[meta.context_index]
+    else:
+        keys, values = k[meta.context_index], v[meta.context_index]    # [S, Lmax, Hkv, D]
+
+    qp = q.new_zeros(S * Qmax, Hq, D)
+    qp[meta.query_index] = q
+    qp = qp.view(S, Qmax, Hkv, G, D)
+    scores = torch.einsum("sqhgd,slhd->shgql", qp, keys) / math.sqrt(D)
+    scores = scores.masked_fill(~meta.mask[:, None, None], float("-inf"))
+    low_precision = q.dtype in (torch.float16, torch.bfloat16)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32 if low_precision else q.dtype).to(q.dtype)
+    out = torch.einsum("shgql,slhd->sqhgd", probs, values).reshape(S * Qmax, Hq, D)
+    return out[meta.query_index]

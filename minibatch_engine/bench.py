@@ -1,0 +1,105 @@
+"""The ``bench`` command's core: one workload through one engine configuration,
+summarised as a flat dict (the JSON keys every chapter and later issue share)."""
+from __future__ import annotations
+
+import json
+
+import numpy as np
+from tqdm.auto import tqdm
+
+from .engine import Engine, EngineConfig
+from .metrics import percentiles, request_metrics
+from .workload import make_workload
+
+
+def summarize(engine: Engine, requests) -> dict:
+    """Run-level numbers from the trace and the finished requests."""
+    trace = engine.trace
+    out_tokens = sum(r.num_output_tokens for r in requests)
+    wall = trace.end_time("wall") - trace[0].wall_start if len(trace) else 0.0
+    s = {
+        "steps": len(trace),
+        "useful_tokens": trace.useful_tokens,
+        "computed_tokens": trace.computed_tokens,
+        "eta": trace.eta(),
+        "output_tokens": out_tokens,
+        "finished_requests": sum(r.is_finished for r in requests),
+        "wall_seconds": wall,
+        "output_tokens_per_second": out_tokens / wall if wall > 0 else float("nan"),
+        "peak_running": int(trace.column("num_running").max()) if len(trace) else 0,
+    }
+    if engine.cost_model is not None:
+        s["sim_seconds"] = trace.end_time("sim")
+        s["sim_output_tokens_per_second"] = out_tokens / s["sim_seconds"]
+    ms = [request_metrics(r, trace) for r in requests if r.token_steps]
+    for name in ("ttft", "e2e"):
+        for k, v in percentiles(getattr(m, f"{name}_steps") for m in ms).items():
+            s[f"{name}_steps_{k}"] = v
+        for clock, label in (("wall", "seconds"), ("sim", "sim_seconds")):
+            vals = [m.seconds[clock][name] for m in ms if clock in m.seconds]
+            if vals:
+                for k, v in percentiles(vals).items():
+                    s[f"{name}_{label}_{k}"] = v
+    return s
+
+
+def warmup(model, steps: int = 4) -> None:
+    """A few throwaway steps so first-call costs do not land in a timed run."""
+    from .sampling import SamplingParams
+    eng = Engine(model, EngineConfig(max_num_seqs=2, max_model_len=64))
+    for i in range(2):
+        eng.add_request([1] * 16, SamplingParams(max_tokens=steps, ignore_eos=True))
+    eng.run()
+
+
+def run_bench(scheduler: str = "static", workload: str = "uniform", num_requests: int = 64,
+              max_batch: int = 16, seed: int = 0, model="tiny", sim_gpu: str | None = None,
+              sim_model: str | None = None, max_model_len: int | None = None,
+              arrival_rate: float | None = None, device: str = "auto", dtype: str = "float32",
+              progress: bool = True, simulate_only: bool = False) -> tuple[dict, Engine]:
+    """Run a workload and return (summary dict, engine). ``simulate_only`` runs no
+    model at all (``sim_gpu`` and ``sim_model`` required)."""
+    if simulate_only:
+        m, vocab = None, 256
+    else:
+        from .model import Transformer, build_model
+        if isinstance(model, Transformer):
+            m = model
+        elif model == "tiny":
+            m = build_model("tiny", device=device, dtype=dtype)
+        else:
+            from .model.loader import load_model
+            m = load_model(model, device=device, dtype=dtype)
+        vocab = min(256, m.config.vocab_size)
+        warmup(m)
+    cfg = EngineConfig(scheduler=scheduler, max_num_seqs=max_batch, max_model_len=max_model_len,
+                       sim_gpu=sim_gpu, sim_model=sim_model)
+    engine = Engine(m, cfg)
+    specs = make_workload(workload, num_requests, seed=seed, vocab_size=vocab, arrival_rate=arrival_rate)
+    reqs = [engine.add_request(s.prompt_token_ids, s.sampling_params(), arrival_time=s.arrival_time)
+            for s in specs]
+    with tqdm(total=len(reqs), desc=f"bench {scheduler}", disable=not progress, leave=False) as bar:
+        engine.run(progress=bar.update)
+    summary = {"scheduler": scheduler, "workload": workload, "num_requests": num_requests,
+               "max_batch": max_batch, "seed": seed, "sim_gpu": sim_gpu,
+               "sim_model": sim_model if sim_gpu else None,
+               "model": "tiny" if m is None or not isinstance(model, str) else model}
+    summary.update(summarize(engine, reqs))
+    return summary, engine
+
+
+def format_table(summary: dict) -> str:
+    """The summary as an aligned two-column table."""
+    rows = []
+    for k, v in summary.items():
+        if isinstance(v, float):
+            v = f"{v:.4g}" if np.isfinite(v) else "nan"
+        rows.append((k, "-" if v is None else str(v)))
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def write_json(summary: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(summary, f, indent=2, sort_keys=False)
+        f.write("\n")

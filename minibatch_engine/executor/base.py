@@ -1,0 +1,24 @@
+"""The executor interface: run one SchedulerOutput, return the sampled tokens."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..scheduler.base import SchedulerOutput
+
+
+@dataclass
+class ExecutorOutput:
+    sampled: dict[str, int] = field(default_factory=dict)   # request_id -> token
+    forward_s: float = 0.0      # wall seconds in the model forward
+    sample_s: float = 0.0       # wall seconds in sampling (and the copy to host)
+
+
+def requests_to_sample(sched: SchedulerOutput):
+    """Scheduled requests whose step computes their last known token: they sample."""
+    return [s.request for s in sched.scheduled
+            if s.request.num_computed_tokens + s.num_tokens == s.request.num_tokens]
+
+
+class Executor:
+    def execute(self, sched: SchedulerOutput) -> ExecutorOutput:
+        raise NotImplementedError

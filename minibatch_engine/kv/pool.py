@@ -1,0 +1,48 @@
+"""The physical KV memory: one preallocated pool of blocks per layer.
+
+A block holds ``block_size`` consecutive tokens of one sequence. A slot is one
+token's place: ``slot = block_id * block_size + offset``. Both cache managers of
+the book own a pool like this one and differ only in how they hand out blocks:
+
+* :class:`~minibatch_engine.kv.slot.SlotKVCache`: one block of ``max_model_len``
+  tokens per request, taken at admission (Orca, static batching);
+* the paged cache (chapter 4): small blocks taken as a sequence grows.
+
+The last block of the pool is a *null block* that belongs to no request: padding
+work (the static batcher's pad tokens) writes its K/V there.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVPool:
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
+        self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
+        self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
+        # [layers, K/V, num_blocks + 1 (null block), block_size, kv_heads, head_dim]
+        self.kv = torch.zeros(num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim,
+                              dtype=dtype, device=device)
+        self.null_block = num_blocks
+
+    def layer(self, i: int):
+        """(k_slots, v_slots) of layer ``i``, each ``[num_slots, kv_heads, head_dim]``."""
+        flat = self.kv[i].view(2, -1, self.num_kv_heads, self.head_dim)
+        return flat[0], flat[1]
+
+    @property
+    def bytes_per_token(self) -> int:
+        """2 x layers x kv_heads x head_dim x bytes per element."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv.element_size()
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
+
+    @property
+    def allocated_bytes(self) -> int:
+        """Bytes the pool's tensor really holds (usable blocks only, not the null block)."""
+        return self.bytes_per_block * self.num_blocks

@@ -1,0 +1,169 @@
+"""Tokenizers: text <-> token ids.
+
+Two implementations with one interface (``encode``, ``decode``, ``eos_token_id``,
+``bos_token_id``, ``pad_token_id``, ``vocab_size``):
+
+* :class:`ByteTokenizer` for the built-in ``tiny`` model: every UTF-8 byte is its
+  own token (ids 0..255), plus three special ids (BOS, EOS, PAD). No files needed.
+* :class:`HFTokenizer` for a Hugging Face checkpoint: wraps the ``tokenizer.json``
+  found next to the weights, using the optional ``tokenizers`` package.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Iterable
+
+from .config import BOS_ID, BYTE_VOCAB, EOS_ID, PAD_ID, PRESETS, TINY
+from .loader import CheckpointError, _first_id
+
+__all__ = ["ByteTokenizer", "HFTokenizer", "load_tokenizer"]
+
+
+class ByteTokenizer:
+    """Byte-level tokenizer of the built-in ``tiny`` model.
+
+    Ids 0..255 are the bytes of the UTF-8 encoding; 256, 257, 258 are BOS, EOS and
+    PAD. ``vocab_size`` matches the tiny model's embedding table (260: one id is
+    unused). Any text round-trips exactly; decoding an arbitrary id sequence may
+    cut a multi-byte character, which then shows as U+FFFD.
+    """
+
+    @property
+    def bos_token_id(self) -> int:
+        return BOS_ID
+
+    @property
+    def eos_token_id(self) -> int:
+        return EOS_ID
+
+    @property
+    def pad_token_id(self) -> int:
+        return PAD_ID
+
+    @property
+    def vocab_size(self) -> int:
+        return TINY.vocab_size
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        """Token ids of ``text``: its UTF-8 bytes, optionally preceded by BOS."""
+        ids = list(text.encode("utf-8"))
+        return [BOS_ID] + ids if add_bos else ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ``ids``; special (non-byte) ids are skipped, invalid UTF-8 is replaced."""
+        data = bytearray()
+        for i in ids:
+            i = int(i)
+            if not 0 <= i < self.vocab_size:
+                raise ValueError(f"token id {i} is outside the vocabulary [0, {self.vocab_size})")
+            if i < BYTE_VOCAB:
+                data.append(i)
+        return data.decode("utf-8", errors="replace")
+
+    def __repr__(self) -> str:
+        return "ByteTokenizer()"
+
+
+def _read_json(file: Path) -> dict:
+    try:
+        return json.loads(file.read_text()) if file.is_file() else {}
+    except json.JSONDecodeError:
+        return {}
+
+
+class HFTokenizer:
+    """A Hugging Face ``tokenizer.json`` (via the ``tokenizers`` package).
+
+    ``path`` is a checkpoint directory holding ``tokenizer.json``. The special ids
+    come from the checkpoint's ``config.json`` (then ``generation_config.json``,
+    then the token strings named in ``tokenizer_config.json``); pass them
+    explicitly to override.
+
+    ``encode`` never lets the tokenizer's post-processor add special tokens: BOS is
+    added only when asked with ``add_bos=True``, so prompts stay explicit.
+    """
+
+    def __init__(self, path: str | Path, eos_token_id: int | None = None,
+                 bos_token_id: int | None = None, pad_token_id: int | None = None):
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ImportError("HFTokenizer needs the optional 'tokenizers' package: "
+                              "pip install 'minibatch-engine[hf]'") from None
+        path = Path(path)
+        file = path / "tokenizer.json"
+        if not file.is_file():
+            raise CheckpointError(f"no tokenizer.json in {str(path)!r}")
+        self.path = path
+        self._tok = Tokenizer.from_file(str(file))
+
+        cfg = _read_json(path / "config.json")
+        gen = _read_json(path / "generation_config.json")
+        tok_cfg = _read_json(path / "tokenizer_config.json")
+
+        def pick(explicit, key):
+            for value in (explicit, cfg.get(key), gen.get(key)):
+                value = _first_id(value)
+                if value is not None:
+                    return value
+            token = tok_cfg.get(key.replace("_id", ""))     # e.g. "eos_token": "</s>"
+            if isinstance(token, dict):                      # older files: {"content": ...}
+                token = token.get("content")
+            return self._tok.token_to_id(token) if isinstance(token, str) else None
+
+        self._eos = pick(eos_token_id, "eos_token_id")
+        self._bos = pick(bos_token_id, "bos_token_id")
+        self._pad = pick(pad_token_id, "pad_token_id")
+
+    @property
+    def bos_token_id(self) -> int | None:
+        return self._bos
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self._eos
+
+    @property
+    def pad_token_id(self) -> int | None:
+        return self._pad
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer knows, added tokens included. (A model's
+        embedding table may be larger: vocabularies are often padded.)"""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]:
+        """Token ids of ``text``, optionally preceded by BOS (when the checkpoint has one)."""
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_bos and self._bos is not None:
+            ids = [self._bos] + ids
+        return ids
+
+    def decode(self, ids: Iterable[int]) -> str:
+        """Text of ``ids``, skipping special tokens (BOS, EOS, PAD and any token the
+        tokenizer marks special)."""
+        specials = {self._bos, self._eos, self._pad}
+        return self._tok.decode([int(i) for i in ids if int(i) not in specials],
+                                skip_special_tokens=True)
+
+    def __repr__(self) -> str:
+        return f"HFTokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
+
+
+def load_tokenizer(path_or_preset: str | Path) -> ByteTokenizer | HFTokenizer:
+    """The tokenizer for a model: :class:`ByteTokenizer` for the ``"tiny"`` preset,
+    :class:`HFTokenizer` for a checkpoint directory holding ``tokenizer.json``."""
+    if isinstance(path_or_preset, str) and path_or_preset.lower() == "tiny":
+        return ByteTokenizer()
+    path = Path(path_or_preset)
+    if (path / "tokenizer.json").is_file():
+        return HFTokenizer(path)
+    if isinstance(path_or_preset, str) and path_or_preset.lower() in PRESETS and not path.exists():
+        raise CheckpointError(f"preset {path_or_preset!r} only describes shapes and has no "
+                              "tokenizer; only 'tiny' has a built-in one")
+    if not path.is_dir():
+        raise CheckpointError(f"no tokenizer for {str(path_or_preset)!r}: not 'tiny' and not a "
+                              "checkpoint directory")
+    raise CheckpointError(f"no tokenizer.json in checkpoint directory {str(path)!r}")

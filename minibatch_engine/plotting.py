@@ -1,0 +1,151 @@
+"""The book's figures: one style, one palette, the same colour for the same idea
+in every chapter (prefill, decode, padding; useful vs wasted; each scheduler).
+Notebooks call these functions instead of carrying plotting code."""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+import matplotlib
+import matplotlib.pyplot as plt
+import numpy as np
+from matplotlib.colors import ListedColormap
+from matplotlib.patches import Patch
+
+# One palette for the whole book.
+COLORS = {
+    "prefill": "#4C72B0",      # blue: prompt tokens being computed
+    "decode": "#55A868",       # green: one new token per step
+    "pad": "#C44E52",          # red: compute spent on padding (waste)
+    "idle": "#EEEEEE",         # light grey: a slot with nothing in it
+    "useful": "#55A868",
+    "wasted": "#C44E52",
+    "reserved": "#CCB974",     # sand: memory reserved but empty
+    "static": "#8172B2",       # purple: static batching
+    "continuous": "#DD8452",   # orange: iteration-level (continuous) batching
+    "paged": "#64B5CD",        # cyan: paged KV cache
+    "slot": "#8C8C8C",         # grey: slot KV cache
+    "compute": "#4C72B0",
+    "memory": "#DD8452",
+}
+LANE_KINDS = ("idle", "prefill", "decode", "pad")
+
+
+def use_book_style() -> None:
+    """Matplotlib settings shared by every figure of the book."""
+    matplotlib.rcParams.update({
+        "figure.dpi": 100, "savefig.dpi": 100, "font.size": 10, "axes.titlesize": 11,
+        "axes.spines.top": False, "axes.spines.right": False, "axes.grid": True,
+        "grid.alpha": 0.3, "legend.frameon": False, "figure.autolayout": True,
+    })
+
+
+use_book_style()
+
+
+def _axes(ax, figsize):
+    if ax is None:
+        fig, ax = plt.subplots(figsize=figsize)
+        return fig, ax
+    return ax.figure, ax
+
+
+def timeline(trace, ax=None, title: str | None = None, max_steps: int | None = None,
+             figsize=(8, 3)):
+    """Gantt-like view of KV slots (rows) over steps (columns): what each slot
+    computed in each step: prefill, decode, padding, or nothing."""
+    steps = trace.steps[:max_steps] if max_steps else trace.steps
+    slots = sorted({lane.slot for s in steps for lane in s.lanes if lane.slot >= 0})
+    row = {slot: i for i, slot in enumerate(slots)}
+    grid = np.zeros((max(len(slots), 1), max(len(steps), 1)), dtype=int)
+    for j, s in enumerate(steps):
+        for lane in s.lanes:
+            if lane.slot >= 0:
+                # a prefill lane that also carries pad tokens shows as prefill
+                r = row[lane.slot]
+                if grid[r, j] == 0 or lane.kind != "pad":
+                    grid[r, j] = LANE_KINDS.index(lane.kind)
+    fig, ax = _axes(ax, figsize)
+    cmap = ListedColormap([COLORS[k] for k in LANE_KINDS])
+    ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=cmap, vmin=0, vmax=len(LANE_KINDS) - 1,
+              extent=(-0.5, grid.shape[1] - 0.5, grid.shape[0] - 0.5, -0.5))
+    ax.set_xlabel("engine step")
+    ax.set_ylabel("KV slot")
+    ax.grid(False)
+    ax.legend(handles=[Patch(color=COLORS[k], label=k) for k in LANE_KINDS[1:]],
+              loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    if title:
+        ax.set_title(title)
+    return fig
+
+
+def cdf(samples: Mapping[str, Sequence[float]], xlabel: str, ax=None, title: str | None = None,
+        figsize=(5, 3.2)):
+    """Empirical CDFs, one line per label (labels that name a scheduler get its colour)."""
+    fig, ax = _axes(ax, figsize)
+    for label, vals in samples.items():
+        x = np.sort(np.asarray(vals, dtype=float))
+        y = np.arange(1, x.size + 1) / x.size
+        ax.step(x, y, where="post", label=label, color=COLORS.get(label))
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel("fraction of requests")
+    ax.set_ylim(0, 1.02)
+    ax.legend()
+    if title:
+        ax.set_title(title)
+    return fig
+
+
+def lines(x, ys: Mapping[str, Sequence[float]], xlabel: str, ylabel: str, ax=None,
+          title: str | None = None, logx=False, logy=False, markers=True, figsize=(5, 3.2)):
+    """Several named series over one x axis."""
+    fig, ax = _axes(ax, figsize)
+    for label, y in ys.items():
+        ax.plot(x, y, marker="o" if markers else None, ms=4, label=label, color=COLORS.get(label))
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    if logx:
+        ax.set_xscale("log")
+    if logy:
+        ax.set_yscale("log")
+    if len(ys) > 1:
+        ax.legend()
+    if title:
+        ax.set_title(title)
+    return fig
+
+
+def stacked_bars(labels: Sequence[str], parts: Mapping[str, Sequence[float]], ylabel: str, ax=None,
+                 title: str | None = None, figsize=(5, 3.2)):
+    """Bars split into named parts (e.g. useful and wasted tokens)."""
+    fig, ax = _axes(ax, figsize)
+    bottom = np.zeros(len(labels))
+    for name, vals in parts.items():
+        vals = np.asarray(vals, dtype=float)
+        ax.bar(labels, vals, bottom=bottom, label=name, color=COLORS.get(name))
+        bottom += vals
+    ax.set_ylabel(ylabel)
+    ax.legend()
+    if title:
+        ax.set_title(title)
+    return fig
+
+
+def roofline(gpu, points: Mapping[str, float] | None = None, ax=None, title: str | None = None,
+             figsize=(5.5, 3.5)):
+    """The roofline of ``gpu`` (attainable FLOP/s against arithmetic intensity),
+    with named operations marked at their intensity."""
+    fig, ax = _axes(ax, figsize)
+    x = np.logspace(-1, 4, 200)
+    ax.plot(x, np.minimum(gpu.peak_flops, x * gpu.hbm_bandwidth) / 1e12, color="black", lw=1.5)
+    ax.axvline(gpu.ridge_point, color="grey", ls=":", lw=1)
+    for label, ai in (points or {}).items():
+        y = min(gpu.peak_flops, ai * gpu.hbm_bandwidth) / 1e12
+        color = COLORS["memory"] if ai < gpu.ridge_point else COLORS["compute"]
+        ax.plot([ai], [y], "o", color=color)
+        ax.annotate(label, (ai, y), textcoords="offset points", xytext=(5, -12), fontsize=8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP/byte)")
+    ax.set_ylabel("attainable TFLOP/s")
+    ax.set_title(title or f"Roofline of {gpu.name}")
+    return fig

@@ -1,0 +1,87 @@
+"""A request and its life: WAITING -> RUNNING -> FINISHED (PREEMPTED comes later).
+
+The one number the schedulers reason about is ``num_computed_tokens``: how many
+of the request's known tokens (prompt plus outputs so far) already have K/V in
+the cache. A request needs ``num_tokens - num_computed_tokens`` more tokens
+computed before it can sample again: the whole prompt at first (prefill), then
+one token per step (decode).
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from .sampling import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    prompt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    num_computed_tokens: int = 0
+    finish_reason: str | None = None          # "length", "stop" or "abort"
+    eos_token_id: int | None = None
+    # Timestamps, as engine step indices (the trace maps steps to seconds in each clock).
+    arrival_step: int = 0
+    arrival_time: dict = field(default_factory=dict)   # clock name -> seconds
+    first_scheduled_step: int | None = None
+    token_steps: list[int] = field(default_factory=list)
+    finish_step: int | None = None
+    generator: torch.Generator | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_output_tokens
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The most tokens this request can ever hold: prompt plus ``max_tokens``."""
+        return self.num_prompt_tokens + self.sampling_params.max_tokens
+
+    def append_token(self, token: int, step: int) -> None:
+        """Record a sampled token and decide whether the request is done."""
+        self.output_token_ids.append(token)
+        self.token_steps.append(step)
+        p = self.sampling_params
+        if token in p.stop_token_ids or (not p.ignore_eos and token == self.eos_token_id):
+            self.finish(step, "stop")
+        elif self.num_output_tokens >= p.max_tokens:
+            self.finish(step, "length")
+
+    def finish(self, step: int, reason: str) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason
+        self.finish_step = step
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.value}, prompt={self.num_prompt_tokens}, "
+                f"out={self.num_output_tokens}, computed={self.num_computed_tokens})")

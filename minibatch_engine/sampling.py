@@ -1,0 +1,77 @@
+"""Sampling parameters and the sampler.
+
+Greedy rows of a batch are one ``argmax``; sampled rows each use their request's
+own ``torch.Generator`` (seeded from ``SamplingParams.seed``), so a seeded
+request draws the same tokens whatever it was batched with.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+
+@dataclass
+class SamplingParams:
+    """How to pick each next token, and when to stop (shaped like vLLM's).
+
+    ``temperature=0`` means greedy. ``top_k=0`` and ``top_p=1`` switch those
+    filters off. ``max_tokens`` caps the output; ``stop_token_ids`` and the
+    model's EOS end it early unless ``ignore_eos`` (serving benchmarks set it so
+    output lengths follow the workload). ``seed`` makes sampling reproducible per
+    request.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop_token_ids: Sequence[int] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise ValueError(f"seed must be a non-negative integer or None, got {self.seed!r}")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+        self.stop_token_ids = tuple(self.stop_token_ids)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Mask logits (a 1-D row) outside the top-k and the top-p nucleus with -inf."""
+    if top_k and top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        cum = torch.softmax(sorted_logits, dim=-1).cumsum(-1)
+        drop = cum - torch.softmax(sorted_logits, dim=-1) >= top_p   # keep the token that crosses p
+        logits = logits.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
+           generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """Pick one token per row of ``logits`` ``[S, vocab]``; returns ``[S]`` (on device)."""
+    tokens = torch.argmax(logits, dim=-1)
+    for row, (p, gen) in enumerate(zip(params, generators)):
+        if p.greedy:
+            continue
+        filtered = filter_logits(logits[row].float() / p.temperature, p.top_k, p.top_p)
+        probs = torch.softmax(filtered, dim=-1)
+        tokens[row] = torch.multinomial(probs, 1, generator=gen)[0]
+    return tokens

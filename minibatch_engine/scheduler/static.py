@@ -1,0 +1,91 @@
+"""Static batching: one batch at a time, padded, until its longest request ends.
+
+This is what ``model.generate`` on a padded batch does. Up to ``B`` waiting
+requests form a batch; the prompts are left-padded to the longest one and
+prefilled together; then all lanes decode in lockstep until the last request
+ends. A lane whose request finished early keeps computing a pad token every
+step until then, and keeps its KV slot: the waste is real compute, which the
+trace counts.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from ..request import Request, RequestStatus
+from .base import PaddingWork, ScheduledRequest, Scheduler, SchedulerOutput
+
+
+class StaticScheduler(Scheduler):
+    name = "static"
+
+    def __init__(self, kv_cache, max_num_seqs: int, max_model_len: int):
+        super().__init__(kv_cache, max_num_seqs)
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.batch: list[Request] = []           # the current batch, in lane order
+        self.next_position: dict[str, int] = {}  # finished lanes: where their pad token goes
+        self.batch_id = -1
+
+    def add_request(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def _form_batch(self) -> None:
+        """Take waiting requests in arrival order while the padded layout fits:
+        at most ``max_num_seqs`` lanes and ``max(prompt) + max(max_tokens) <= max_model_len``."""
+        for req in self.batch:
+            self.kv_cache.free(req.request_id)
+        self.batch, self.next_position = [], {}
+        longest_prompt = longest_output = 0
+        while self.waiting and len(self.batch) < self.max_num_seqs:
+            req = self.waiting[0]
+            p = max(longest_prompt, req.num_prompt_tokens)
+            g = max(longest_output, req.sampling_params.max_tokens)
+            if self.batch and p + g > self.max_model_len:
+                break
+            if not self.kv_cache.allocate(req.request_id, req.num_prompt_tokens):
+                break
+            longest_prompt, longest_output = p, g
+            self.batch.append(self.waiting.popleft())
+        if self.batch:
+            self.batch_id += 1
+
+    def schedule(self) -> SchedulerOutput:
+        if all(r.is_finished for r in self.batch):
+            self._form_batch()
+        out = SchedulerOutput(batch_id=self.batch_id)
+        if not self.batch:
+            return out
+        if all(r.num_computed_tokens == 0 for r in self.batch):
+            # Prefill: every lane computes max(prompt) tokens; short prompts are padded.
+            longest = max(r.num_prompt_tokens for r in self.batch)
+            for r in self.batch:
+                r.status = RequestStatus.RUNNING
+                out.scheduled.append(ScheduledRequest(r, r.num_prompt_tokens))
+                if r.num_prompt_tokens < longest:
+                    out.padding.append(PaddingWork(longest - r.num_prompt_tokens, 0, r))
+            return out
+        # Decode in lockstep: one token per lane, real or pad.
+        for r in self.batch:
+            if not r.is_finished:
+                self.kv_cache.allocate(r.request_id, r.num_tokens)
+                out.scheduled.append(ScheduledRequest(r, 1))
+            else:
+                pos = self.next_position.setdefault(r.request_id, r.num_computed_tokens)
+                out.padding.append(PaddingWork(1, pos, r, self.kv_cache.block_table(r.request_id)))
+                self.next_position[r.request_id] = pos + 1
+        return out
+
+    def on_request_finished(self, request: Request) -> None:
+        pass  # the lane keeps its slot until the whole batch is done
+
+    def abort(self, request: Request) -> None:
+        if request in self.waiting:
+            self.waiting.remove(request)
+        # A request of the current batch becomes a padded lane, like a finished one.
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting) or any(not r.is_finished for r in self.batch)
+
+    @property
+    def num_running(self) -> int:
+        return sum(not r.is_finished for r in self.batch)

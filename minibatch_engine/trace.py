@@ -1,0 +1,102 @@
+"""The per-step trace: the record every metric and figure of the book is computed from.
+
+Each step appends one :class:`StepRecord`: who ran (and in which KV slot, as
+prefill, decode or padding), tokens computed and tokens useful, KV memory, and
+the step's times in each clock. Nothing is counted on the side.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass
+class LaneRecord:
+    request_id: str
+    slot: int          # first block of the request (its slot, for a slot cache)
+    kind: str          # "prefill", "decode", "pad"
+    num_tokens: int
+
+
+@dataclass
+class StepRecord:
+    step: int
+    lanes: list[LaneRecord]
+    batch_id: int | None
+    computed_tokens: int        # rows the forward computed
+    useful_tokens: int          # rows that belong to a live request's real tokens
+    prefill_tokens: int
+    decode_tokens: int
+    num_running: int            # requests computing real tokens this step
+    sampled_tokens: int         # output tokens produced
+    kv_reserved_bytes: int
+    kv_used_bytes: int
+    kv_capacity_bytes: int
+    wall_start: float
+    wall_end: float
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+    sim_start: float | None = None
+    sim_end: float | None = None
+
+    @property
+    def padding_tokens(self) -> int:
+        return self.computed_tokens - self.useful_tokens
+
+    @property
+    def wall_dt(self) -> float:
+        return self.wall_end - self.wall_start
+
+
+@dataclass
+class Trace:
+    steps: list[StepRecord] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __getitem__(self, i):
+        return self.steps[i]
+
+    def append(self, rec: StepRecord) -> None:
+        self.steps.append(rec)
+
+    def column(self, name: str) -> np.ndarray:
+        return np.array([getattr(s, name) for s in self.steps])
+
+    # --- efficiency -----------------------------------------------------------
+    @property
+    def computed_tokens(self) -> int:
+        return sum(s.computed_tokens for s in self.steps)
+
+    @property
+    def useful_tokens(self) -> int:
+        return sum(s.useful_tokens for s in self.steps)
+
+    def eta(self) -> float:
+        """Useful token-slots over computed token-slots, for the whole run."""
+        return self.useful_tokens / self.computed_tokens if self.computed_tokens else float("nan")
+
+    def eta_by_batch(self) -> dict[int, float]:
+        """eta of each static batch (steps carry their batch id)."""
+        useful: dict[int, int] = {}
+        computed: dict[int, int] = {}
+        for s in self.steps:
+            if s.batch_id is None:
+                continue
+            useful[s.batch_id] = useful.get(s.batch_id, 0) + s.useful_tokens
+            computed[s.batch_id] = computed.get(s.batch_id, 0) + s.computed_tokens
+        return {b: useful[b] / computed[b] for b in sorted(computed)}
+
+    def end_time(self, clock: str = "wall") -> float:
+        if not self.steps:
+            return 0.0
+        return getattr(self.steps[-1], f"{clock}_end") or 0.0
+
+    def kv_utilization(self) -> float:
+        """Time-averaged (per step) share of reserved KV bytes that hold real tokens."""
+        reserved = self.column("kv_reserved_bytes").astype(float)
+        used = self.column("kv_used_bytes").astype(float)
+        ok = reserved > 0
+        return float((used[ok] / reserved[ok]).mean()) if ok.any() else float("nan")

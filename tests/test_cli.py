@@ -1,0 +1,56 @@
+"""The front doors: bench, simulate and generate on small inputs."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from minibatch_engine.bench import run_bench
+from minibatch_engine.cli import main
+
+KEYS = ["scheduler", "workload", "num_requests", "steps", "useful_tokens", "computed_tokens", "eta",
+        "wall_seconds", "output_tokens_per_second", "sim_seconds", "ttft_steps_p50", "ttft_steps_p90",
+        "ttft_steps_p99", "ttft_seconds_p50", "ttft_seconds_p99", "e2e_steps_p50", "e2e_steps_p99",
+        "e2e_seconds_p50", "e2e_seconds_p90", "e2e_seconds_p99", "ttft_sim_seconds_p50"]
+
+
+def test_bench_json_and_plot(tmp_path):
+    out, fig = tmp_path / "b.json", tmp_path / "t.png"
+    rc = main(["bench", "--scheduler", "static", "--workload", "uniform", "--num-requests", "6",
+               "--max-batch", "3", "--seed", "1", "--sim-gpu", "H100-SXM", "--sim-model", "llama-3-8b",
+               "--json", str(out), "--plot", str(fig), "--no-progress"])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    for k in KEYS:
+        assert k in data, k
+    assert data["num_requests"] == 6 and 0 < data["eta"] <= 1
+    assert data["useful_tokens"] <= data["computed_tokens"]
+    assert fig.stat().st_size > 1000
+
+
+def test_bench_is_deterministic_in_steps_and_sim_time():
+    a, _ = run_bench(num_requests=5, max_batch=2, seed=3, sim_gpu="A100-80GB", sim_model="llama-2-7b",
+                     simulate_only=True, progress=False)
+    b, _ = run_bench(num_requests=5, max_batch=2, seed=3, sim_gpu="A100-80GB", sim_model="llama-2-7b",
+                     simulate_only=True, progress=False)
+    for k in ("steps", "eta", "sim_seconds", "ttft_sim_seconds_p90", "e2e_steps_p50"):
+        assert a[k] == b[k]
+
+
+def test_simulate_and_generate_commands_run(capsys):
+    assert main(["simulate", "--num-requests", "4", "--max-batch", "2", "--no-progress"]) == 0
+    assert "sim_seconds" in capsys.readouterr().out
+    assert main(["generate", "hello", "world", "--max-tokens", "4", "--device", "cpu"]) == 0
+    assert "length" in capsys.readouterr().out
+
+
+def test_bad_arguments_give_a_clear_error(capsys):
+    assert main(["simulate", "--num-requests", "0", "--no-progress"]) == 2
+    assert "num_requests" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["bench", "--workload", "nope"])
+
+
+def test_python_dash_m_entry_point():
+    r = subprocess.run([sys.executable, "-m", "minibatch_engine", "--help"], capture_output=True, text=True)
+    assert r.returncode == 0 and "bench" in r.stdout
