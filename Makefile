@@ -11,6 +11,7 @@ JB      := $(VENV)/bin/jupyter-book
 SANITIZE := tests/nbval_sanitize.cfg
 
 .PHONY: help install book test unit nbval build notebooks lab bench gpu-check clean
+.PHONY: site-assets check-site site-check-if-browser
 
 help:
 	@echo "make book       build the website into _build/html (creates .venv if missing)"
@@ -18,6 +19,7 @@ help:
 	@echo "make notebooks  re-execute every chapter in place (fresh stored outputs)"
 	@echo "make lab        open the chapters in JupyterLab"
 	@echo "make gpu-check  the CUDA checks (needs a GPU)"
+	@echo "make check-site build, then open every page in headless Chromium, offline"
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -27,7 +29,7 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
-build: $(STAMP)
+build: $(STAMP) site-assets
 	$(JB) build . --builder html -W -n --keep-going
 
 book: build
@@ -35,12 +37,12 @@ book: build
 	@echo "The book is built: open file://$(CURDIR)/_build/html/index.html"
 
 unit: $(STAMP)
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -p no:cacheprovider tests
 
 nbval: $(STAMP)
 	$(PY) -m pytest -q -p no:cacheprovider --nbval --nbval-sanitize-with $(SANITIZE) $(NOTEBOOKS)
 
-test: unit nbval build
+test: unit nbval build site-check-if-browser
 
 notebooks: $(STAMP)
 	for nb in $(NOTEBOOKS); do \
@@ -57,3 +59,32 @@ gpu-check: $(STAMP)
 
 clean:
 	rm -rf _build
+
+# --- the website's browser libraries, served from the site itself (no CDN) ---
+# MathJax 3, require.js and @jupyter-widgets/html-manager, pinned in package.json
+# and package-lock.json; tools/offline_assets.py (a Sphinx extension, see
+# _config.yml) copies them into _build/html/_static/npm/. npm ci runs only when
+# the lock file is newer than the last install.
+NODE_STAMP := node_modules/.site-assets-installed
+CHROMIUM   ?= /usr/bin/chromium
+
+$(NODE_STAMP): package.json package-lock.json
+	@command -v npm >/dev/null || { echo "npm is needed for the site's MathJax and widget libraries (apt-get install -y npm)"; exit 1; }
+	npm ci --no-audit --no-fund --ignore-scripts
+	touch $@
+
+site-assets: $(NODE_STAMP)
+
+# Every page in headless Chromium with the network blocked: math typeset, images
+# loaded, internal links and anchors resolve, widgets rendered, no JS errors.
+# Screenshots go to _build/screenshots/.
+check-site: build
+	CHROMIUM=$(CHROMIUM) $(PY) tools/check_site.py _build/html
+
+# `make test` runs the browser check where a browser is installed (.ci/run installs one).
+site-check-if-browser: build
+	@if [ -x $(CHROMIUM) ]; then \
+	  CHROMIUM=$(CHROMIUM) $(PY) tools/check_site.py _build/html; \
+	else \
+	  echo "check-site skipped: no browser at $(CHROMIUM) (apt-get install -y chromium)"; \
+	fi

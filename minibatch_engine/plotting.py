@@ -1,6 +1,7 @@
 """The book's figures: one style, one palette, the same colour for the same idea
 in every chapter (prefill, decode, padding; useful vs wasted; each scheduler).
-Notebooks call these functions instead of carrying plotting code."""
+Notebooks call these functions instead of carrying plotting code; each returns
+its Figure, which a notebook shows by ending a cell with it."""
 from __future__ import annotations
 
 from typing import Mapping, Sequence
@@ -43,8 +44,11 @@ use_book_style()
 
 
 def _axes(ax, figsize):
+    """A new figure (closed to pyplot, so a notebook shows it once, when returned)
+    or the figure of the axes given."""
     if ax is None:
         fig, ax = plt.subplots(figsize=figsize)
+        plt.close(fig)
         return fig, ax
     return ax.figure, ax
 

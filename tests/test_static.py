@@ -6,18 +6,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minibatch_engine import Engine, EngineConfig, SamplingParams, reference_generate
+from minibatch_engine.efficiency import eta_padded, eta_run, eta_textbook, split_batches
 
 
-def padded_eta(batch):
-    """The padded layout: prompts left-padded to the longest, lockstep decoding to the
-    longest output; the last sampled token is never fed back (hence the -1)."""
-    P = max(p for p, _ in batch)
-    G = max(g for _, g in batch)
-    return sum(p + g - 1 for p, g in batch) / (len(batch) * (P + G - 1))
-
-
-def batches_of(lengths, B):
-    return [lengths[i:i + B] for i in range(0, len(lengths), B)]
+def test_formulas_on_a_worked_example():
+    batch = [(4, 2), (2, 6)]                     # P = 4, G = 6
+    assert eta_textbook(batch) == (6 + 8) / (2 * 8)
+    assert eta_padded(batch) == (5 + 7) / (2 * 9)
+    assert eta_run(batch + [(3, 3)], 2) == (5 + 7 + 5) / (2 * 9 + 1 * 5)
+    assert eta_padded([(7, 7)]) == 1.0
+    with pytest.raises(ValueError):
+        eta_padded([])
 
 
 def run_sim(lengths, B, max_model_len=4096):
@@ -35,14 +34,16 @@ lengths_st = st.lists(st.tuples(st.integers(1, 300), st.integers(1, 300)), min_s
 @given(lengths=lengths_st, B=st.integers(1, 9))
 def test_trace_eta_equals_padded_layout_formula(lengths, B):
     engine, reqs = run_sim(lengths, B)
-    batches = batches_of(lengths, B)
+    batches = split_batches(lengths, B)
     measured = engine.trace.eta_by_batch()
     assert len(measured) == len(batches)
     for b, batch in enumerate(batches):
-        assert measured[b] == pytest.approx(padded_eta(batch), rel=1e-12)
+        assert measured[b] == pytest.approx(eta_padded(batch), rel=1e-12)
+        assert eta_textbook(batch) >= measured[b] - 1e-12
     computed = sum(len(b) * (max(p for p, _ in b) + max(g for _, g in b) - 1) for b in batches)
     assert engine.trace.computed_tokens == computed
     assert engine.trace.useful_tokens == sum(p + g - 1 for p, g in lengths)
+    assert engine.trace.eta() == pytest.approx(eta_run(lengths, B), rel=1e-12)
     assert all(r.num_output_tokens == g for r, (_, g) in zip(reqs, lengths))
 
 

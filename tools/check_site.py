@@ -1,0 +1,454 @@
+#!/usr/bin/env python3
+"""Open every page of the built book in a real browser, offline, and check it.
+
+Usage: python tools/check_site.py [SITE_DIR]   (default: _build/html)
+       make check-site                       (builds the book first)
+
+Drives Debian's Chromium (/usr/bin/chromium, or $CHROMIUM) through the Python
+``playwright`` package; no browser is downloaded (never ``playwright install``).
+Every request that is not file://, data: or blob: is aborted, so a page that
+renders here renders with no network.  A page fails when:
+
+* math is left untypeset: raw ``\\(``, ``\\[`` or ``$$`` in the visible text
+  (code excluded) once MathJax's startup promise has settled, a Sphinx math
+  element that MathJax did not replace, or a MathJax error box (merror);
+* an image does not load (naturalWidth == 0) or a local file request fails;
+* an internal link points to a missing file or a missing anchor id;
+* a widget view (``application/vnd.jupyter.widget-view+json``) or a
+  ``.jupyter-widgets`` element is still empty after the widget manager ran;
+* the page logs a JavaScript error (console error or uncaught exception), or
+  tries to reach the network at all.
+
+Screenshots of the landing page and of every chapter go to
+``_build/screenshots/`` (full page, height capped).  Prints one row per page
+and exits non-zero with a message per problem when anything fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import html.parser
+import json
+import os
+import re
+import sys
+import time
+import urllib.parse
+from dataclasses import dataclass, field
+from pathlib import Path
+
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+VIEWPORT = {"width": 1280, "height": 900}
+SCREENSHOT_MAX_HEIGHT = 16000  # px (Chromium paints at most 16384); longer pages are cut
+LOAD_TIMEOUT_MS = 20_000
+SETTLE_TIMEOUT_S = 15.0  # MathJax + widget manager, per page
+CONCURRENCY = min(4, os.cpu_count() or 2)  # pages open at once
+
+# Pages left out.  None today: search.html and genindex.html load fine from
+# file:// (search.html pulls searchindex.js through a <script> tag, which
+# file:// allows) and are checked like the rest.
+SKIP_PAGES: set[str] = set()
+
+# Runs inside the page once it has loaded: waits for MathJax and the widget
+# manager, then reports what it finds.
+PAGE_PROBE = r"""
+async (settleMs) => {
+  const deadline = Date.now() + settleMs;
+  const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+  const out = {mathjax: null, raw_math: [], untypeset: 0, merror: [],
+               images: [], widget_views: 0, widgets_empty: [], ids: [],
+               links: [], timeouts: []};
+
+  // --- MathJax: the real MathJax replaces the config object Sphinx sets.
+  const mathEls = document.querySelectorAll("span.math, div.math");
+  const hasMathJaxScript = !!document.querySelector('script[src*="mathjax"]');
+  if (hasMathJaxScript) {
+    while (!(window.MathJax && MathJax.startup && MathJax.startup.promise)
+           && Date.now() < deadline) await sleep(50);
+    if (window.MathJax && MathJax.startup && MathJax.startup.promise) {
+      await Promise.race([MathJax.startup.promise, sleep(Math.max(0, deadline - Date.now()))]);
+      out.mathjax = MathJax.version || "?";
+    } else {
+      out.timeouts.push("MathJax never started (script failed to load?)");
+    }
+  }
+  // --- Widgets: the manager puts a .widget-subarea before each view script.
+  const views = document.querySelectorAll('script[type="application/vnd.jupyter.widget-view+json"]');
+  out.widget_views = views.length;
+  const rendered = (v) => {
+    const sub = v.previousElementSibling;
+    if (!(sub && sub.classList.contains("widget-subarea") && sub.querySelector("*"))) return false;
+    // a widget in a collapsed (hidden) output has no size: children suffice
+    return sub.getClientRects().length === 0 || sub.getBoundingClientRect().height > 0;
+  };
+  while (Array.from(views).some((v) => !rendered(v)) && Date.now() < deadline) await sleep(50);
+  views.forEach((v, i) => {
+    if (!rendered(v)) {
+      let id = "?";
+      try { id = JSON.parse(v.textContent).model_id; } catch (e) {}
+      out.widgets_empty.push(`widget view #${i + 1} (model ${id}) not rendered`);
+    }
+  });
+  // A rendered widget's root is a non-empty .jupyter-widgets element (an
+  // Output widget may legitimately hold nothing).
+  for (const el of document.querySelectorAll(".jupyter-widgets")) {
+    if (!el.matches(".widget-output, .jupyter-widgets-output-area") && el.childElementCount === 0
+        && el.textContent.trim() === "") {
+      out.widgets_empty.push(`empty .jupyter-widgets element (${el.className})`);
+    }
+  }
+
+  // Widget labels are typeset after startup (MathJax.Hub shim in
+  // book/site/widgets-setup.js chains onto startup.promise): wait again.
+  if (window.MathJax && MathJax.startup && MathJax.startup.promise) {
+    await Promise.race([MathJax.startup.promise, sleep(Math.max(0, deadline - Date.now()))]);
+  }
+  out.math_elements = mathEls.length;
+  for (const el of mathEls) {
+    if (!el.querySelector("mjx-container")) out.untypeset++;
+  }
+  for (const el of document.querySelectorAll("mjx-merror")) {
+    const box = el.closest("[data-mjx-error]");
+    out.merror.push(((box && box.getAttribute("data-mjx-error")) || el.textContent).slice(0, 120));
+  }
+  // raw TeX left in visible text, code and MathJax's own output excluded
+  const skip = "pre, code, script, style, textarea, kbd, samp, .highlight, mjx-container, mjx-assistive-mml";
+  const walker = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
+  for (let n = walker.nextNode(); n; n = walker.nextNode()) {
+    const t = n.nodeValue;
+    if (!t || !(t.includes("\\(") || t.includes("\\[") || t.includes("$$"))) continue;
+    const p = n.parentElement;
+    if (!p || p.closest(skip)) continue;
+    if (p.getClientRects().length === 0) continue;  // not rendered (display: none)
+    out.raw_math.push(t.trim().slice(0, 80));
+  }
+
+  // --- Images: make lazy ones load, then wait for all of them.
+  const imgs = Array.from(document.images);
+  imgs.forEach((im) => { if (im.loading === "lazy") im.loading = "eager"; });
+  await Promise.race([
+    Promise.all(imgs.map((im) => im.complete ? null :
+      new Promise((r) => { im.addEventListener("load", r); im.addEventListener("error", r); }))),
+    sleep(Math.max(0, deadline - Date.now())),
+  ]);
+  for (const im of imgs) {
+    out.images.push({src: im.currentSrc || im.src, raw: im.getAttribute("src"),
+                     ok: im.complete && im.naturalWidth > 0});
+  }
+
+  // --- Anchors present in the live DOM, and every link.
+  for (const el of document.querySelectorAll("[id]")) out.ids.push(el.id);
+  for (const el of document.querySelectorAll("a[name]")) out.ids.push(el.getAttribute("name"));
+  for (const a of document.querySelectorAll("a[href]")) {
+    out.links.push({href: a.href, raw: a.getAttribute("href")});
+  }
+  return out;
+}
+"""
+
+
+class _IdCollector(html.parser.HTMLParser):
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.ids: set[str] = set()
+
+    def handle_starttag(self, tag, attrs):
+        for k, v in attrs:
+            if v and (k == "id" or (k == "name" and tag == "a")):
+                self.ids.add(v)
+
+
+_ID_CACHE: dict[Path, set[str]] = {}
+
+
+def ids_in(path: Path) -> set[str]:
+    if path not in _ID_CACHE:
+        p = _IdCollector()
+        p.feed(path.read_text(encoding="utf-8", errors="replace"))
+        _ID_CACHE[path] = p.ids
+    return _ID_CACHE[path]
+
+
+@dataclass
+class PageResult:
+    rel: str
+    problems: list[str] = field(default_factory=list)
+    math: int = 0
+    images: int = 0
+    widgets: int = 0
+    links: int = 0
+    seconds: float = 0.0
+    screenshot: str = ""
+
+
+def check_links(page: Path, site: Path, links: list[dict], live_ids: set[str]) -> tuple[int, list[str]]:
+    problems, checked, seen = [], 0, set()
+    for link in links:
+        url = urllib.parse.urlsplit(link["href"])
+        if url.scheme != "file":
+            continue  # external links are not followed (no network)
+        target = Path(urllib.parse.unquote(url.path))
+        key = (target, url.fragment)
+        if key in seen:
+            continue
+        seen.add(key)
+        checked += 1
+        raw = link["raw"]
+        try:
+            target.relative_to(site)
+        except ValueError:
+            problems.append(f"link {raw!r} leaves the site ({target})")
+            continue
+        if target.is_dir():
+            target = target / "index.html"
+        if not target.exists():
+            problems.append(f"link {raw!r}: missing file {target.relative_to(site)}")
+            continue
+        frag = urllib.parse.unquote(url.fragment)
+        if not frag or target.suffix != ".html":
+            continue
+        ids = live_ids if target == page else ids_in(target)
+        if frag not in ids:
+            problems.append(f"link {raw!r}: no id {frag!r} in {target.relative_to(site)}")
+    return checked, problems
+
+
+async def check_page(browser, site: Path, page_path: Path, shots: Path | None) -> PageResult:
+    rel = page_path.relative_to(site).as_posix()
+    res = PageResult(rel)
+    t0 = time.perf_counter()
+    ctx = await browser.new_context(viewport=VIEWPORT, service_workers="block")
+    page = await ctx.new_page()
+    errors: list[str] = []
+    failed_files: list[str] = []
+
+    async def route(r):
+        url = r.request.url
+        if url.startswith(("file:", "data:", "blob:")):
+            await r.continue_()
+        else:
+            res.problems.append(f"network request blocked: {url}")
+            await r.abort("blockedbyclient")
+
+    await page.route("**/*", route)
+
+    def on_pageerror(exc):
+        # first stack frame that names a file, for "where"
+        frames = re.findall(r"\((?:file://)?([^()]+?):(\d+):\d+\)", getattr(exc, "stack", "") or "")
+        where = f" ({Path(frames[0][0].split('?')[0]).name}:{frames[0][1]})" if frames else ""
+        errors.append(f"uncaught JS exception: {exc.message if hasattr(exc, 'message') else exc}{where}")
+
+    page.on("pageerror", on_pageerror)
+
+    def on_console(msg):
+        # "Failed to load resource" repeats a failed request, which is
+        # reported with its URL (requestfailed below, or the route above)
+        if msg.type == "error" and not msg.text.startswith("Failed to load resource"):
+            loc = msg.location or {}
+            where = f" ({loc.get('url', '').rsplit('/', 1)[-1]}:{loc.get('lineNumber', '?')})" if loc.get("url") else ""
+            errors.append(f"console error: {msg.text[:300]}{where}")
+
+    page.on("console", on_console)
+
+    def on_failed(req):
+        if req.url.startswith("file:"):
+            failed_files.append(f"failed to load {urllib.parse.unquote(req.url[len('file://'):])}: {req.failure}")
+
+    page.on("requestfailed", on_failed)
+
+    redirect = meta_refresh_target(page_path)
+    if redirect is not None:
+        # index.html is Jupyter Book's <meta http-equiv="Refresh"> to the root
+        # page: loading it navigates away mid-probe.  Check its target exists;
+        # the target is checked (and screenshotted) as a page of its own.
+        await ctx.close()
+        target = (page_path.parent / redirect.split("#")[0]).resolve()
+        res.links = 1
+        if not target.is_file():
+            res.problems.append(f"redirects to missing {redirect!r}")
+        res.seconds = time.perf_counter() - t0
+        return res
+
+    try:
+        await page.goto(page_path.as_uri(), wait_until="load", timeout=LOAD_TIMEOUT_MS)
+        probe = await page.evaluate(PAGE_PROBE, int(SETTLE_TIMEOUT_S * 1000))
+    except Exception as exc:  # noqa: BLE001 - report any browser failure per page
+        res.problems.append(f"could not load/probe the page: {exc}")
+        await ctx.close()
+        res.seconds = time.perf_counter() - t0
+        return res
+
+    res.math = probe["math_elements"]
+    res.widgets = probe["widget_views"]
+    res.images = len(probe["images"])
+    res.problems += probe["timeouts"]
+    if probe["untypeset"]:
+        res.problems.append(f"{probe['untypeset']} of {res.math} math elements not typeset by MathJax")
+    for t in probe["raw_math"]:
+        res.problems.append(f"raw TeX in visible text: {t!r}")
+    for t in probe["merror"]:
+        res.problems.append(f"MathJax error: {t!r}")
+    for im in probe["images"]:
+        if not im["ok"]:
+            res.problems.append(f"image did not load: {im['raw']}")
+    res.problems += probe["widgets_empty"]
+    res.links, link_problems = check_links(page_path, site, probe["links"], set(probe["ids"]))
+    res.problems += link_problems
+
+    if shots is not None:
+        name = rel.removesuffix(".html").replace("/", "__") + ".png"
+        height = await page.evaluate("document.documentElement.scrollHeight")
+        clip = {"x": 0, "y": 0, "width": VIEWPORT["width"], "height": min(height, SCREENSHOT_MAX_HEIGHT)}
+        await page.screenshot(path=str(shots / name), full_page=True, clip=clip)
+        res.screenshot = str((shots / name))
+    # late failures: web fonts load when first drawn (after the probe, and
+    # the screenshot draws the whole page)
+    try:
+        await page.evaluate("document.fonts.ready.then(() => true)")
+        await page.wait_for_timeout(100)
+    except Exception:  # noqa: BLE001 - a busy page is not a failure by itself
+        pass
+    res.problems += failed_files
+    res.problems += errors
+    await ctx.close()
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+CDN_RE = re.compile(r"cdn\.jsdelivr|unpkg\.com|cdnjs|cdn\.plot\.ly|fonts\.googleapis", re.I)
+
+
+def cdn_references(site: Path) -> dict[str, list[str]]:
+    """Every CDN host named anywhere in a built HTML page (scripts, links, text)."""
+    found = {}
+    for p in built_pages(site, quiet=True):
+        hits = sorted({m.group(0) for m in CDN_RE.finditer(p.read_text(encoding="utf-8", errors="replace"))})
+        if hits:
+            found[p.relative_to(site).as_posix()] = hits
+    return found
+
+
+_REFRESH = re.compile(r"""<meta\s+http-equiv=["']?refresh["']?\s+content=["']\s*\d+\s*;\s*url=([^"'>]+)""", re.I)
+
+
+def meta_refresh_target(path: Path) -> str | None:
+    head = path.read_text(encoding="utf-8", errors="replace")[:4096]
+    m = _REFRESH.search(head)
+    return m.group(1).strip() if m else None
+
+
+SPECIAL_PAGES = {"index", "genindex", "search", "py-modindex"}  # not documents
+
+
+def built_pages(site: Path, quiet: bool = False) -> list[Path]:
+    """The HTML pages of the latest build.
+
+    Sphinx leaves the pages of deleted (or newly excluded) documents in
+    _build/html; the docnames in searchindex.js are the current documents.
+    """
+    pages = sorted(p for p in site.rglob("*.html")
+                   if not p.relative_to(site).parts[0].startswith("_")  # _static, _sources, _images
+                   and p.relative_to(site).as_posix() not in SKIP_PAGES)
+    index = site / "searchindex.js"
+    m = re.search(r'"docnames":\s*(\[[^\]]*\])', index.read_text(encoding="utf-8")) if index.exists() else None
+    if not m:
+        return pages
+    docnames = set(json.loads(m.group(1))) | SPECIAL_PAGES
+    stale = [p for p in pages if p.relative_to(site).with_suffix("").as_posix() not in docnames]
+    if stale and not quiet:
+        print("skipped, left over from earlier builds: " + ", ".join(p.relative_to(site).as_posix() for p in stale))
+    return [p for p in pages if p not in stale]
+
+
+def root_page(site: Path) -> str:
+    """The landing page: what index.html redirects to (Jupyter Book's root)."""
+    target = meta_refresh_target(site / "index.html")
+    if target is None:
+        return "index.html"
+    return (site / target.split("#")[0]).resolve().relative_to(site).as_posix()
+
+
+async def run(site: Path, shots: Path, chromium: str, jobs: int) -> list[PageResult]:
+    from playwright.async_api import async_playwright
+
+    pages = built_pages(site)
+    shots.mkdir(parents=True, exist_ok=True)
+    for old in shots.glob("*.png"):
+        old.unlink()
+    root = root_page(site)
+
+    def wants_screenshot(rel: str) -> bool:  # the landing page and every chapter
+        return rel == root or rel.startswith("chapters/")
+    async with async_playwright() as p:
+        browser = await p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
+        sem = asyncio.Semaphore(jobs)
+
+        async def one(path: Path) -> PageResult:
+            async with sem:
+                rel = path.relative_to(site).as_posix()
+                return await check_page(browser, site, path, shots if wants_screenshot(rel) else None)
+
+        results = await asyncio.gather(*(one(p) for p in pages))
+        await browser.close()
+    return list(results)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("site", nargs="?", default="_build/html", help="built HTML folder (default: _build/html)")
+    ap.add_argument("--screenshots", default=None, help="where PNGs go (default: SITE/../screenshots)")
+    ap.add_argument("--jobs", type=int, default=CONCURRENCY, help="pages checked at once")
+    ap.add_argument("--chromium", default=os.environ.get("CHROMIUM", "/usr/bin/chromium"))
+    args = ap.parse_args(argv)
+
+    site = Path(args.site).resolve()
+    shots = Path(args.screenshots).resolve() if args.screenshots else site.parent / "screenshots"
+    if not (site / "index.html").exists():
+        print(f"check-site: no {site}/index.html: build the book first (make build)", file=sys.stderr)
+        return 2
+    if not Path(args.chromium).exists():
+        print(f"check-site: no browser at {args.chromium} (apt-get install -y chromium)", file=sys.stderr)
+        return 2
+    try:
+        import playwright  # noqa: F401
+    except ImportError:
+        print("check-site: the Python package `playwright` is missing: pip install -e '.[book]'", file=sys.stderr)
+        return 2
+
+    t0 = time.perf_counter()
+    results = asyncio.run(run(site, shots, args.chromium, max(1, args.jobs)))
+    total = time.perf_counter() - t0
+
+    # static check: no CDN named in any built HTML file
+    for rel, hits in cdn_references(site).items():
+        r = next((r for r in results if r.rel == rel), None)
+        if r is None:  # an HTML file that was not opened (under _static/ or the like)
+            r = PageResult(rel)
+            results.append(r)
+        r.problems.append(f"references a CDN in its HTML: {', '.join(hits)}")
+
+    w = max(len(r.rel) for r in results)
+    print(f"{'page':<{w}}  {'math':>4}  {'img':>3}  {'widg':>4}  {'links':>5}  {'time':>5}  result")
+    for r in results:
+        status = "ok" if not r.problems else f"FAIL ({len(r.problems)})"
+        print(f"{r.rel:<{w}}  {r.math:>4}  {r.images:>3}  {r.widgets:>4}  {r.links:>5}  {r.seconds:>4.1f}s  {status}")
+    failed = [r for r in results if r.problems]
+    for r in failed:
+        print(f"\n{r.rel}:")
+        for msg in r.problems:
+            print(f"  - {msg}")
+    n_shots = sum(1 for r in results if r.screenshot)
+    print(f"\n{len(results)} pages, {len(failed)} failed, {total:.1f}s; {n_shots} screenshots in {shots}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
