@@ -31,12 +31,22 @@ def summarize(engine: Engine, requests) -> dict:
     if engine.cost_model is not None:
         s["sim_seconds"] = trace.end_time("sim")
         s["sim_output_tokens_per_second"] = out_tokens / s["sim_seconds"]
+    step_wall = sum(st.wall_dt for st in trace.steps)
+    in_model = sum(st.forward_s + st.sample_s for st in trace.steps)
+    # Share of step time outside the model forward and sampling: scheduling,
+    # input preparation, bookkeeping. Only meaningful with a real model.
+    s["overhead_fraction"] = 1 - in_model / step_wall if step_wall > 0 and in_model > 0 else float("nan")
     ms = [request_metrics(r, trace) for r in requests if r.token_steps]
-    for name in ("ttft", "e2e"):
-        for k, v in percentiles(getattr(m, f"{name}_steps") for m in ms).items():
+    for name in ("ttft", "e2e", "itl"):
+        if name == "itl":       # every gap between consecutive tokens of every request
+            steps = [g for m in ms for g in m.itl_steps]
+        else:
+            steps = [getattr(m, f"{name}_steps") for m in ms]
+        for k, v in percentiles(steps).items():
             s[f"{name}_steps_{k}"] = v
         for clock, label in (("wall", "seconds"), ("sim", "sim_seconds")):
-            vals = [m.seconds[clock][name] for m in ms if clock in m.seconds]
+            per_req = [m.seconds[clock][name] for m in ms if clock in m.seconds]
+            vals = [g for gaps in per_req for g in gaps] if name == "itl" else per_req
             if vals:
                 for k, v in percentiles(vals).items():
                     s[f"{name}_{label}_{k}"] = v

@@ -32,8 +32,9 @@ from .trace import LaneRecord, StepRecord, Trace
 class EngineConfig:
     """Knobs of the engine (names follow vLLM where it has the same knob).
 
-    scheduler: ``"static"`` (more come with later chapters).
-    max_num_seqs: most requests in one batch (static: the batch size B).
+    scheduler: ``"static"`` (padded batches, chapter 2) or ``"continuous"``
+        (iteration-level scheduling, chapter 3).
+    max_num_seqs: most requests in one step (static: the batch size B).
     max_model_len: longest prompt + output a request may have; each KV slot
         reserves this many tokens. Defaults to ``min(model max_position, 1024)``.
     sim_gpu, sim_model: with a GPU name, every step is also timed by the roofline

@@ -4,8 +4,9 @@ One function serves every case the engine produces: a sequence's new queries
 attend to its cached context plus, causally, to each other. The cache is one
 flat pool of slots per layer (``[num_slots, kv_heads, head_dim]``); a slot cache
 and a paged cache differ only in how the metadata's ``context_index`` was built
-from their block tables. Sequences are padded *inside attention only* (to the
-longest query and context of the step); all other layers see the flat tokens.
+from their block tables. Sequences are padded *inside attention only*, within
+their group (decodes with decodes, prefills with prefills); all other layers
+see the flat tokens.
 """
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import math
 
 import torch
 
-from .metadata import AttentionMetadata
+from .metadata import AttentionGroup, AttentionMetadata
 
 
 def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -25,27 +26,35 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]`` (this step's new tokens).
     k_cache, v_cache: ``[num_slots, Hkv, D]`` views of one layer's pool, or None
     for a cache-free forward. New K/V are written at ``meta.slot_mapping`` first,
-    then each sequence reads its whole context through ``meta.context_index``.
-    Returns ``[T, Hq, D]``.
+    then each sequence reads its whole context through its group's
+    ``context_index``. Returns ``[T, Hq, D]``.
     """
-    T, Hq, D = q.shape
-    Hkv = k.shape[1]
-    G = Hq // Hkv
-    S, Qmax, Lmax = meta.num_seqs, meta.max_query_len, meta.max_seq_len
-
     if k_cache is not None:
         k_cache.index_copy_(0, meta.slot_mapping, k)
         v_cache.index_copy_(0, meta.slot_mapping, v)
-        keys, values = k_cache[meta.context_index], v_cache[meta.context_index]
+        k_src, v_src = k_cache, v_cache
     else:
-        keys, values = k[meta.context_index], v[meta.context_index]    # [S, Lmax, Hkv, D]
+        k_src, v_src = k, v
+    if len(meta.groups) == 1 and meta.groups[0].token_index is None:
+        return _group_attention(q, k_src, v_src, meta.groups[0])
+    out = torch.empty_like(q)
+    for g in meta.groups:
+        out[g.token_index] = _group_attention(q[g.token_index], k_src, v_src, g)
+    return out
 
+
+def _group_attention(q, k_src, v_src, g: AttentionGroup) -> torch.Tensor:
+    Tg, Hq, D = q.shape
+    Hkv = k_src.shape[1]
+    G = Hq // Hkv
+    S, Qmax = g.num_seqs, g.max_query_len
+    keys, values = k_src[g.context_index], v_src[g.context_index]      # [S, Lmax, Hkv, D]
     qp = q.new_zeros(S * Qmax, Hq, D)
-    qp[meta.query_index] = q
+    qp[g.query_index] = q
     qp = qp.view(S, Qmax, Hkv, G, D)
     scores = torch.einsum("sqhgd,slhd->shgql", qp, keys) / math.sqrt(D)
-    scores = scores.masked_fill(~meta.mask[:, None, None], float("-inf"))
+    scores = scores.masked_fill(~g.mask[:, None, None], float("-inf"))
     low_precision = q.dtype in (torch.float16, torch.bfloat16)
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32 if low_precision else q.dtype).to(q.dtype)
     out = torch.einsum("shgql,slhd->sqhgd", probs, values).reshape(S * Qmax, Hq, D)
-    return out[meta.query_index]
+    return out[g.query_index]

@@ -61,8 +61,8 @@ class TorchExecutor(Executor):
         out = ExecutorOutput()
         if sched.is_empty:
             return out
-        t0 = time.perf_counter()
         input_ids, positions, meta = self.prepare_inputs(sched)
+        t0 = time.perf_counter()
         logits = self.model(input_ids, positions, meta, self.kv_cache)
         self._sync()
         t1 = time.perf_counter()
