@@ -27,6 +27,9 @@ def summarize(engine: Engine, requests) -> dict:
         "wall_seconds": wall,
         "output_tokens_per_second": out_tokens / wall if wall > 0 else float("nan"),
         "peak_running": int(trace.column("num_running").max()) if len(trace) else 0,
+        # mean share of the batch's slots computing a live request's tokens
+        "slot_utilization": float(trace.column("num_running").mean()) / engine.config.max_num_seqs
+        if len(trace) else float("nan"),
     }
     if engine.cost_model is not None:
         s["sim_seconds"] = trace.end_time("sim")

@@ -186,9 +186,11 @@ class Engine:
                 s.request.first_scheduled_step = step
             kind = "prefill" if s.is_prefill else "decode"
             prefill_tokens += s.num_tokens if s.is_prefill else 0
-            lanes.append(LaneRecord(s.request.request_id, self._slot(s.request), kind, s.num_tokens))
+            lanes.append(LaneRecord(s.request.request_id, self._slot(s.request), kind, s.num_tokens,
+                                    s.request.num_computed_tokens))
         for p in sched.padding:
-            lanes.append(LaneRecord(p.owner.request_id, self._slot(p.owner), "pad", p.num_tokens))
+            lanes.append(LaneRecord(p.owner.request_id, self._slot(p.owner), "pad", p.num_tokens,
+                                    p.start_position))
 
         result = self.executor.execute(sched)
 

@@ -153,3 +153,51 @@ def roofline(gpu, points: Mapping[str, float] | None = None, ax=None, title: str
     ax.set_ylabel("attainable TFLOP/s")
     ax.set_title(title or f"Roofline of {gpu.name}")
     return fig
+
+
+def batch_layout(padded_prompts: Sequence[int], ragged: Sequence[tuple[str, int, int]],
+                 figsize=(8, 5.2)):
+    """Two ways to lay out a batch.
+
+    Top: a padded batch's prefill (static batching): one row per request, prompts
+    left-padded to the longest. Middle: a ragged step (iteration-level
+    scheduling): the new tokens of every sequence concatenated into one row, no
+    padding; this is what the non-attention layers see. Bottom: what attention
+    sees for each sequence of the ragged step: its cached tokens plus its new
+    ones. ``ragged`` lists (label, cached_tokens, new_tokens).
+    """
+    fig, (a, b, c) = plt.subplots(3, 1, figsize=figsize,
+                                  gridspec_kw={"height_ratios": [len(padded_prompts), 1.2, len(ragged)]})
+    plt.close(fig)
+    P = max(padded_prompts)
+    for i, p in enumerate(padded_prompts):
+        a.barh(i, P - p, left=0, color=COLORS["pad"], edgecolor="white")
+        a.barh(i, p, left=P - p, color=COLORS["prefill"], edgecolor="white")
+    a.set_yticks(range(len(padded_prompts)), [f"req {i}" for i in range(len(padded_prompts))])
+    a.invert_yaxis()
+    a.set_title("padded batch (static): prompts left-padded to the longest")
+    a.set_xlabel("token position in the padded row")
+    x = 0
+    for label, cached, new in ragged:
+        kind = "decode" if new == 1 and cached > 0 else "prefill"
+        b.barh(0, new, left=x, color=COLORS[kind], edgecolor="white")
+        b.text(x + new / 2, 0, label, ha="center", va="center", fontsize=8, color="white")
+        x += new
+    b.set_yticks([])
+    b.set_xlim(0, max(x, 1))
+    b.set_title("ragged step (continuous): new tokens of every sequence, concatenated")
+    b.set_xlabel("flat token index (what the MLPs and projections see)")
+    for i, (label, cached, new) in enumerate(ragged):
+        kind = "decode" if new == 1 and cached > 0 else "prefill"
+        c.barh(i, cached, color=COLORS["idle"], edgecolor="grey")
+        c.barh(i, new, left=cached, color=COLORS[kind], edgecolor="white")
+    c.set_yticks(range(len(ragged)), [label for label, _, _ in ragged])
+    c.invert_yaxis()
+    c.set_title("what attention sees: each sequence's cached tokens (grey) and new ones")
+    c.set_xlabel("key position")
+    for ax in (a, b, c):
+        ax.grid(False)
+    fig.legend(handles=[Patch(color=COLORS[k], label=k) for k in ("prefill", "decode", "pad")]
+               + [Patch(facecolor=COLORS["idle"], edgecolor="grey", label="cached")],
+               loc="upper right", ncol=4, fontsize=8)
+    return fig

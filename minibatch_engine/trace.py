@@ -17,6 +17,7 @@ class LaneRecord:
     slot: int          # first block of the request (its slot, for a slot cache)
     kind: str          # "prefill", "decode", "pad"
     num_tokens: int
+    start: int = 0     # position of the first new token (tokens already cached before it)
 
 
 @dataclass
