@@ -30,6 +30,11 @@ def summarize(engine: Engine, requests) -> dict:
         # mean share of the batch's slots computing a live request's tokens
         "slot_utilization": float(trace.column("num_running").mean()) / engine.config.max_num_seqs
         if len(trace) else float("nan"),
+        "kv_cache": engine.config.kv_cache,
+        "kv_capacity_bytes": engine.kv_cache.capacity_bytes,
+        "kv_utilization": trace.kv_utilization(),
+        "prefix_cache_hit_tokens": sum(r.num_cached_tokens for r in requests),
+        "preemptions": sum(r.num_preemptions for r in requests),
     }
     if engine.cost_model is not None:
         s["sim_seconds"] = trace.end_time("sim")
@@ -69,7 +74,9 @@ def run_bench(scheduler: str = "static", workload: str = "uniform", num_requests
               max_batch: int = 16, seed: int = 0, model="tiny", sim_gpu: str | None = None,
               sim_model: str | None = None, max_model_len: int | None = None,
               arrival_rate: float | None = None, device: str = "auto", dtype: str = "float32",
-              progress: bool = True, simulate_only: bool = False) -> tuple[dict, Engine]:
+              progress: bool = True, simulate_only: bool = False, kv_cache: str = "slot",
+              kv_budget_bytes: int | None = None, block_size: int = 16,
+              enable_prefix_caching: bool = True) -> tuple[dict, Engine]:
     """Run a workload and return (summary dict, engine). ``simulate_only`` runs no
     model at all (``sim_gpu`` and ``sim_model`` required)."""
     if simulate_only:
@@ -86,7 +93,9 @@ def run_bench(scheduler: str = "static", workload: str = "uniform", num_requests
         vocab = min(256, m.config.vocab_size)
         warmup(m)
     cfg = EngineConfig(scheduler=scheduler, max_num_seqs=max_batch, max_model_len=max_model_len,
-                       sim_gpu=sim_gpu, sim_model=sim_model)
+                       sim_gpu=sim_gpu, sim_model=sim_model, kv_cache=kv_cache,
+                       kv_budget_bytes=kv_budget_bytes, block_size=block_size,
+                       enable_prefix_caching=enable_prefix_caching)
     engine = Engine(m, cfg)
     specs = make_workload(workload, num_requests, seed=seed, vocab_size=vocab, arrival_rate=arrival_rate)
     reqs = [engine.add_request(s.prompt_token_ids, s.sampling_params(), arrival_time=s.arrival_time)

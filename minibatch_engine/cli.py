@@ -21,6 +21,11 @@ def _bench_args(p: argparse.ArgumentParser, simulate: bool) -> None:
     gpus = [g.name for g in GPUS.values()]
     p.add_argument("--sim-gpu", choices=gpus, default="H100-SXM" if simulate else None)
     p.add_argument("--sim-model", choices=sorted(PRESETS), default="llama-3-8b" if simulate else None)
+    p.add_argument("--kv", choices=["slot", "paged"], default="slot", help="KV cache layout")
+    p.add_argument("--kv-budget", type=int, default=None, metavar="BYTES",
+                   help="KV cache memory in bytes (default: max-batch x max-model-len tokens)")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (paged)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="paged: do not share prefixes")
     p.add_argument("--json", metavar="PATH", help="write the summary as JSON")
     p.add_argument("--plot", metavar="PATH", help="save a timeline figure of the run")
     p.add_argument("--no-progress", action="store_true")
@@ -78,7 +83,9 @@ def _bench(args, simulate: bool) -> int:
         scheduler=args.scheduler, workload=args.workload, num_requests=args.num_requests,
         max_batch=args.max_batch, seed=args.seed, sim_gpu=args.sim_gpu, sim_model=args.sim_model,
         max_model_len=args.max_model_len, arrival_rate=args.arrival_rate,
-        progress=not args.no_progress, simulate_only=simulate,
+        progress=not args.no_progress, simulate_only=simulate, kv_cache=args.kv,
+        kv_budget_bytes=args.kv_budget, block_size=args.block_size,
+        enable_prefix_caching=not args.no_prefix_caching,
         **({} if simulate else {"model": args.model, "device": args.device, "dtype": args.dtype}))
     print(format_table(summary))
     if args.json:

@@ -14,12 +14,12 @@ from __future__ import annotations
 import heapq
 import itertools
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from .executor import Executor, SimExecutor, TorchExecutor
-from .kv import SlotKVCache
+from .kv import PagedKVCache, SlotKVCache
 from .model.config import ModelConfig, get_preset
 from .request import Request, RequestStatus
 from .sampling import SamplingParams
@@ -37,6 +37,14 @@ class EngineConfig:
     max_num_seqs: most requests in one step (static: the batch size B).
     max_model_len: longest prompt + output a request may have; each KV slot
         reserves this many tokens. Defaults to ``min(model max_position, 1024)``.
+    kv_cache: ``"slot"`` (``max_model_len`` reserved per request) or ``"paged"``
+        (blocks of ``block_size`` tokens taken as a sequence grows, chapter 4).
+    kv_budget_bytes / num_kv_blocks: the KV memory. A slot cache fits
+        ``budget // (max_model_len x bytes per token)`` slots (at most
+        ``max_num_seqs``); a paged cache that many bytes of blocks. By default
+        both get ``max_num_seqs x max_model_len`` tokens.
+    enable_prefix_caching: paged cache only: share the full blocks of a common
+        prompt prefix. watermark: share of blocks admission keeps free.
     sim_gpu, sim_model: with a GPU name, every step is also timed by the roofline
         cost model of ``sim_model`` (a preset name, or the engine's own model).
     """
@@ -44,6 +52,11 @@ class EngineConfig:
     max_num_seqs: int = 8
     max_model_len: int | None = None
     kv_cache: str = "slot"
+    block_size: int = 16
+    kv_budget_bytes: int | None = None
+    num_kv_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    watermark: float = 0.01
     sim_gpu: str | None = None
     sim_model: str | ModelConfig | None = None
     step_overhead_s: float = 1e-3
@@ -53,8 +66,16 @@ class EngineConfig:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2, got {self.max_model_len}")
-        if self.kv_cache != "slot":
-            raise ValueError(f"unknown kv_cache {self.kv_cache!r}; choose 'slot'")
+        if self.kv_cache not in ("slot", "paged"):
+            raise ValueError(f"unknown kv_cache {self.kv_cache!r}; choose 'slot' or 'paged'")
+        if self.kv_cache == "paged" and self.scheduler == "static":
+            raise ValueError("static batching runs on the slot cache (kv_cache='slot')")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+        if self.kv_budget_bytes is not None and self.kv_budget_bytes <= 0:
+            raise ValueError(f"kv_budget_bytes must be positive, got {self.kv_budget_bytes}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
 
 
 class Engine:
@@ -81,7 +102,7 @@ class Engine:
         self.eos_token_id = eos_token_id if eos_token_id is not None else self.model_config.eos_token_id
         device = model.device if model is not None else torch.device("meta")
         dtype = model.dtype if model is not None else torch.bfloat16
-        self.kv_cache = SlotKVCache(self.model_config, cfg.max_num_seqs, self.max_model_len, dtype, device)
+        self.kv_cache = self._make_kv_cache(dtype, device)
         self.scheduler = make_scheduler(cfg.scheduler, self.kv_cache, cfg.max_num_seqs, self.max_model_len)
         self.executor: Executor = TorchExecutor(model, self.kv_cache) if model is not None else SimExecutor()
         self.cost_model = (RooflineCostModel(get_gpu(cfg.sim_gpu), sim_cfg, step_overhead_s=cfg.step_overhead_s)
@@ -92,6 +113,26 @@ class Engine:
         self.sim_now = 0.0
         self._t0 = time.perf_counter()
         self._ids = itertools.count()
+
+    def _make_kv_cache(self, dtype, device):
+        cfg, mc = self.config, self.model_config
+        per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * torch.empty(0, dtype=dtype).element_size()
+        budget = cfg.kv_budget_bytes
+        if cfg.kv_cache == "slot":
+            slots = cfg.max_num_seqs if budget is None else min(cfg.max_num_seqs, budget // (per_token * self.max_model_len))
+            if slots < 1:
+                raise ValueError(f"a KV budget of {budget} bytes holds no slot of {self.max_model_len} tokens")
+            return SlotKVCache(mc, slots, self.max_model_len, dtype, device)
+        if cfg.num_kv_blocks is not None:
+            blocks = cfg.num_kv_blocks
+        elif budget is not None:
+            blocks = budget // (per_token * cfg.block_size)
+        else:
+            blocks = cfg.max_num_seqs * -(-self.max_model_len // cfg.block_size)
+        if blocks < 1:
+            raise ValueError(f"a KV budget of {budget} bytes holds no block of {cfg.block_size} tokens")
+        return PagedKVCache(mc, blocks, cfg.block_size, dtype, device,
+                            enable_prefix_caching=cfg.enable_prefix_caching, watermark=cfg.watermark)
 
     # --- clocks ------------------------------------------------------------------
     @property
@@ -128,6 +169,15 @@ class Engine:
             raise ValueError(
                 f"request {rid}: prompt ({len(ids)}) + max_tokens ({params.max_tokens}) = "
                 f"{req.max_total_tokens} tokens exceeds max_model_len ({self.max_model_len})")
+        if req.max_total_tokens > self.kv_cache.max_tokens_per_request():
+            raise ValueError(
+                f"request {rid}: prompt ({len(ids)}) + max_tokens ({params.max_tokens}) = "
+                f"{req.max_total_tokens} tokens can never fit the KV cache, which holds "
+                f"{self.kv_cache.max_tokens_per_request()} tokens in all")
+        if params.n > 1 and self.config.kv_cache != "paged":
+            raise ValueError("parallel sampling (n > 1) forks sequences and needs kv_cache='paged'")
+        if params.n > self.config.max_num_seqs:
+            raise ValueError(f"n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
         self.requests[rid] = req
         if arrival_time is not None and arrival_time > self.now():
             heapq.heappush(self.pending, (arrival_time, len(self.requests), req))
@@ -197,10 +247,14 @@ class Engine:
         finished = []
         for s in sched.scheduled:
             r = s.request
+            prev = r.num_computed_tokens
             r.num_computed_tokens += s.num_tokens
+            self.kv_cache.mark_computed(r.request_id, r.all_token_ids, r.num_computed_tokens, prev)
             tok = result.sampled.get(r.request_id)
             if tok is not None and not r.is_finished:
                 r.append_token(tok, step)
+                if r.request_id in result.forks:
+                    finished += self._fork(r, result.forks[r.request_id], step)
                 if r.is_finished:
                     finished.append(r)
                     self.scheduler.on_request_finished(r)
@@ -221,8 +275,36 @@ class Engine:
             sim_start=sim_start, sim_end=self.sim_now if self.cost_model else None))
         return finished
 
+    def _fork(self, parent: Request, samples, step: int) -> list[Request]:
+        """Parallel sampling: the parent's prompt was prefilled once; each extra
+        sample becomes a request sharing its KV blocks (copy-on-write)."""
+        done = []
+        for k, (token, generator) in enumerate(samples, start=1):
+            p = parent.sampling_params
+            child = Request(f"{parent.request_id}#{k}", parent.prompt_token_ids,
+                            replace(p, n=1, seed=None if p.seed is None else p.seed + k),
+                            prompt=parent.prompt, eos_token_id=parent.eos_token_id,
+                            num_computed_tokens=parent.num_computed_tokens,
+                            num_cached_tokens=parent.num_cached_tokens, parent_id=parent.request_id,
+                            arrival_step=parent.arrival_step, arrival_time=dict(parent.arrival_time),
+                            first_scheduled_step=parent.first_scheduled_step, generator=generator)
+            self.requests[child.request_id] = child
+            self.kv_cache.fork(parent.request_id, child.request_id)
+            self.scheduler.add_running(child)
+            child.append_token(token, step)
+            if child.is_finished:
+                done.append(child)
+                self.scheduler.on_request_finished(child)
+        return done
+
+    def samples_of(self, request_id: str) -> list[Request]:
+        """A request and, for n > 1, its forked samples, in order."""
+        req = self.requests[request_id]
+        return [req] + [self.requests[f"{request_id}#{k}"] for k in range(1, req.sampling_params.n)
+                        if f"{request_id}#{k}" in self.requests]
+
     def _slot(self, req: Request) -> int:
-        return self.kv_cache.block_table(req.request_id)[0] if req.request_id in self.kv_cache.slot_of else -1
+        return self.kv_cache.block_table(req.request_id)[0] if self.kv_cache.holds(req.request_id) else -1
 
     def run(self, progress=None) -> list[Request]:
         """Step until every request has finished; returns them in completion order.

@@ -20,6 +20,7 @@ class RequestOutput:
     text: str | None
     finish_reason: str
     metrics: RequestMetrics
+    samples: list[list[int]] | None = None     # n > 1: every sample's tokens, this one first
 
 
 class LLM:
@@ -72,4 +73,6 @@ class LLM:
             engine.run(progress=bar.update)
         return [RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, list(r.output_token_ids),
                               self.tokenizer.decode(r.output_token_ids), r.finish_reason,
-                              request_metrics(r, engine.trace)) for r in reqs]
+                              request_metrics(r, engine.trace),
+                              [list(x.output_token_ids) for x in engine.samples_of(r.request_id)])
+                for r in reqs]

@@ -32,6 +32,9 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
+    num_cached_tokens: int = 0                # prompt tokens found in the prefix cache
+    num_preemptions: int = 0
+    parent_id: str | None = None              # set on the forked samples of n > 1
     finish_reason: str | None = None          # "length", "stop" or "abort"
     eos_token_id: int | None = None
     # Timestamps, as engine step indices (the trace maps steps to seconds in each clock).
@@ -41,6 +44,9 @@ class Request:
     token_steps: list[int] = field(default_factory=list)
     finish_step: int | None = None
     generator: torch.Generator | None = None
+
+    def __post_init__(self):
+        self._token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -56,7 +62,8 @@ class Request:
 
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt then outputs (kept up to date as tokens arrive; do not modify)."""
+        return self._token_ids
 
     @property
     def is_finished(self) -> bool:
@@ -70,6 +77,7 @@ class Request:
     def append_token(self, token: int, step: int) -> None:
         """Record a sampled token and decide whether the request is done."""
         self.output_token_ids.append(token)
+        self._token_ids.append(token)
         self.token_steps.append(step)
         p = self.sampling_params
         if token in p.stop_token_ids or (not p.ignore_eos and token == self.eos_token_id):

@@ -20,7 +20,8 @@ class SamplingParams:
     filters off. ``max_tokens`` caps the output; ``stop_token_ids`` and the
     model's EOS end it early unless ``ignore_eos`` (serving benchmarks set it so
     output lengths follow the workload). ``seed`` makes sampling reproducible per
-    request.
+    request. ``n > 1`` draws n samples of one prompt: the prompt is prefilled once
+    and the sequence forked, sample k seeded with ``seed + k`` (paged cache only).
     """
 
     max_tokens: int = 16
@@ -30,8 +31,11 @@ class SamplingParams:
     seed: int | None = None
     stop_token_ids: Sequence[int] = field(default_factory=tuple)
     ignore_eos: bool = False
+    n: int = 1
 
     def __post_init__(self):
+        if not isinstance(self.n, int) or self.n < 1:
+            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
         if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         if not (self.temperature >= 0.0) or self.temperature != self.temperature:

@@ -37,6 +37,18 @@ def test_bench_is_deterministic_in_steps_and_sim_time():
         assert a[k] == b[k]
 
 
+def test_bench_paged_continuous_keys(tmp_path):
+    out = tmp_path / "p.json"
+    assert main(["bench", "--scheduler", "continuous", "--kv", "paged", "--kv-budget", str(2 ** 22),
+                 "--num-requests", "6", "--max-batch", "4", "--json", str(out), "--no-progress"]) == 0
+    data = json.loads(out.read_text())
+    for k in ("kv_utilization", "peak_running", "prefix_cache_hit_tokens", "itl_steps_p99",
+              "itl_seconds_p50", "overhead_fraction", "slot_utilization"):
+        assert k in data, k
+    assert data["kv_cache"] == "paged" and data["kv_capacity_bytes"] <= 2 ** 22
+    assert 0 < data["kv_utilization"] <= 1
+
+
 def test_simulate_and_generate_commands_run(capsys):
     assert main(["simulate", "--num-requests", "4", "--max-batch", "2", "--no-progress"]) == 0
     assert "sim_seconds" in capsys.readouterr().out

@@ -71,7 +71,9 @@ def test_kv_bytes_match_formula_and_allocation():
         assert cache.capacity_bytes == per_token * 100 * 3
         cache.allocate("a", 10)
         cache.allocate("b", 30)
-        assert cache.reserved_bytes == 2 * 100 * per_token
+        assert cache.reserved_bytes == 2 * 100 * per_token and cache.used_bytes == 0
+        cache.mark_computed("a", None, 10)
+        cache.mark_computed("b", None, 30)
         assert cache.used_bytes == 40 * per_token
         cache.free("a")
         assert cache.reserved_bytes == 100 * per_token and cache.free_slots == [0, 2]

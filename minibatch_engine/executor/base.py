@@ -9,6 +9,8 @@ from ..scheduler.base import SchedulerOutput
 @dataclass
 class ExecutorOutput:
     sampled: dict[str, int] = field(default_factory=dict)   # request_id -> token
+    # n > 1: request_id -> first (token, generator) of each extra sample, forked after prefill
+    forks: dict[str, list] = field(default_factory=dict)
     forward_s: float = 0.0      # wall seconds in the model forward
     sample_s: float = 0.0       # wall seconds in sampling (and the copy to host)
 
@@ -17,6 +19,11 @@ def requests_to_sample(sched: SchedulerOutput):
     """Scheduled requests whose step computes their last known token: they sample."""
     return [s.request for s in sched.scheduled
             if s.request.num_computed_tokens + s.num_tokens == s.request.num_tokens]
+
+
+def needs_fork(request) -> bool:
+    """A parent of parallel sampling about to sample its first token."""
+    return request.sampling_params.n > 1 and request.parent_id is None and request.num_output_tokens == 0
 
 
 class Executor:

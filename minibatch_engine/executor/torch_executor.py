@@ -16,7 +16,7 @@ from ..attention import AttentionMetadata
 from ..model.config import PAD_ID
 from ..sampling import sample
 from ..scheduler.base import SchedulerOutput
-from .base import Executor, ExecutorOutput, requests_to_sample
+from .base import Executor, ExecutorOutput, needs_fork, requests_to_sample
 
 
 class TorchExecutor(Executor):
@@ -56,6 +56,13 @@ class TorchExecutor(Executor):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def _generator(self, seed: int) -> torch.Generator:
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def _fork_sample(self, row_logits, params, k: int):
+        gen = self._generator(params.seed + k) if params.seed is not None else None
+        return int(sample(row_logits[None], [params], [gen])[0]), gen
+
     @torch.no_grad()
     def execute(self, sched: SchedulerOutput) -> ExecutorOutput:
         out = ExecutorOutput()
@@ -70,11 +77,15 @@ class TorchExecutor(Executor):
         if to_sample:
             rows = [i for i, s in enumerate(sched.scheduled) if s.request in to_sample]
             for r in to_sample:
-                if not r.sampling_params.greedy and r.generator is None and r.sampling_params.seed is not None:
-                    r.generator = torch.Generator(device=self.device).manual_seed(r.sampling_params.seed)
+                if r.generator is None and r.sampling_params.seed is not None:
+                    r.generator = self._generator(r.sampling_params.seed)
             tokens = sample(logits[rows], [r.sampling_params for r in to_sample],
                             [r.generator for r in to_sample]).tolist()
             out.sampled = {r.request_id: t for r, t in zip(to_sample, tokens)}
+            for row, r in zip(rows, to_sample):
+                if needs_fork(r):   # the other n - 1 samples draw from the same logits
+                    out.forks[r.request_id] = [self._fork_sample(logits[row], r.sampling_params, k)
+                                               for k in range(1, r.sampling_params.n)]
         t2 = time.perf_counter()
         out.forward_s, out.sample_s = t1 - t0, t2 - t1
         return out

@@ -34,21 +34,43 @@ class SlotKVCache:
     def num_slots(self) -> int:
         return self.pool.num_blocks
 
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def max_tokens_per_request(self) -> int:
+        return self.max_model_len
+
     def can_allocate(self, request_id: str, num_tokens: int) -> bool:
         """Could ``request_id`` hold ``num_tokens`` tokens after an ``allocate``?"""
         if num_tokens > self.max_model_len:
             return False
         return request_id in self.slot_of or bool(self.free_slots)
 
-    def allocate(self, request_id: str, num_tokens: int) -> bool:
+    def allocate(self, request_id: str, num_tokens: int, num_computed_tokens: int = 0,
+                 admit: bool = False) -> bool:
         """Make room for ``num_tokens`` tokens of ``request_id`` (reserving a whole
         slot the first time). Returns False, changing nothing, when it cannot."""
         if not self.can_allocate(request_id, num_tokens):
             return False
         if request_id not in self.slot_of:
             self.slot_of[request_id] = self.free_slots.pop(0)
-        self.num_tokens[request_id] = max(num_tokens, self.num_tokens.get(request_id, 0))
+            self.num_tokens[request_id] = 0
         return True
+
+    def match_prefix(self, request_id: str, token_ids) -> int:
+        return 0          # a slot cache shares nothing
+
+    def mark_computed(self, request_id: str, token_ids, num_computed: int, prev_computed: int = 0) -> None:
+        """The first ``num_computed`` tokens of the request now have K/V."""
+        if request_id in self.slot_of:
+            self.num_tokens[request_id] = num_computed
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        raise ValueError("parallel sampling (n > 1) needs the paged KV cache (kv_cache='paged')")
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self.slot_of
 
     def free(self, request_id: str) -> None:
         """Give a request's slot back (no-op for an unknown request)."""

@@ -1,0 +1,208 @@
+"""The block manager of a paged KV cache: pure bookkeeping, no tensors.
+
+PagedAttention's memory is a pool of fixed-size blocks. The block manager
+decides which physical block holds which part of which sequence:
+
+* a free list of blocks, least recently freed first;
+* per-request block tables (logical block i -> physical block id);
+* reference counts, so one physical block can belong to several sequences
+  (a shared prompt prefix, or the samples of one prompt);
+* a prefix cache: a full block's identity is the hash of its tokens chained
+  with the hash of the block before it. A request whose prompt starts with
+  cached blocks reuses them instead of recomputing them. Every hit is verified
+  against the block's stored tokens and its parent block, and a block's cached
+  children are forgotten when it is reused, so a hash collision can cost a
+  miss, never a wrong token.
+
+Freed blocks that hold a cached prefix stay findable until the free list hands
+them out again (evicting the oldest first).
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+
+def chain_hash(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
+    """Identity of a full block: its tokens chained with its prefix's identity."""
+    return hash((parent_hash, tokens))
+
+
+@dataclass
+class Block:
+    block_id: int
+    ref_count: int = 0
+    num_filled: int = 0                    # tokens written (for memory accounting)
+    hash: int | None = None                # set once full and registered in the prefix cache
+    tokens: tuple[int, ...] | None = None  # the tokens it holds, for hit verification
+    parent: int | None = None              # the physical block before it in its sequence
+    children: set = field(default_factory=set)
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 hash_fn: Callable[[int | None, tuple[int, ...]], int] = chain_hash):
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching, self.hash_fn = enable_prefix_caching, hash_fn
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached: dict[int, int] = {}                 # hash -> block id
+        self.block_tables: dict[str, list[int]] = {}
+        self.prefix_hit_tokens = 0
+
+    # --- queries -------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def num_new_blocks(self, request_id: str, num_tokens: int) -> int:
+        return max(0, self.blocks_for(num_tokens) - len(self.block_tables.get(request_id, ())))
+
+    # --- allocation ------------------------------------------------------------------
+    def _take_free(self) -> int:
+        block_id, _ = self.free.popitem(last=False)      # least recently freed
+        self._uncache(block_id)
+        b = self.blocks[block_id]
+        b.ref_count, b.num_filled = 1, 0
+        return block_id
+
+    def _uncache(self, block_id: int) -> None:
+        """Forget a block's prefix identity, and (recursively) its cached children's,
+        whose K/V were computed after this block's old content."""
+        b = self.blocks[block_id]
+        if b.hash is not None and self.cached.get(b.hash) == block_id:
+            del self.cached[b.hash]
+        if b.parent is not None:
+            self.blocks[b.parent].children.discard(block_id)
+        b.hash = b.tokens = b.parent = None
+        for child in list(b.children):
+            self._uncache(child)
+        b.children.clear()
+
+    def allocate(self, request_id: str, num_tokens: int, watermark: int = 0) -> bool:
+        """Grow ``request_id``'s table to hold ``num_tokens`` tokens. Fails, changing
+        nothing, if that would leave fewer than ``watermark`` free blocks."""
+        need = self.num_new_blocks(request_id, num_tokens)
+        if need > self.num_free_blocks - watermark:
+            return False
+        table = self.block_tables.setdefault(request_id, [])
+        table.extend(self._take_free() for _ in range(need))
+        return True
+
+    def match_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
+        """For a request with no blocks yet: reuse the cached full blocks its tokens
+        start with. Returns the number of tokens whose K/V are already there. The
+        last token is never taken from the cache (its logits are needed)."""
+        if not self.enable_prefix_caching or self.block_tables.get(request_id):
+            return 0
+        table, parent_hash, parent = [], None, None
+        for i in range((len(token_ids) - 1) // self.block_size):
+            tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+            h = self.hash_fn(parent_hash, tokens)
+            block_id = self.cached.get(h)
+            if block_id is None:
+                break
+            b = self.blocks[block_id]
+            if b.tokens != tokens or b.parent != parent:       # a collision: treat as a miss
+                break
+            if b.ref_count == 0:
+                del self.free[block_id]                        # revive a freed cached block
+            b.ref_count += 1
+            table.append(block_id)
+            parent_hash, parent = h, block_id
+        if table:
+            self.block_tables[request_id] = table
+        hit = len(table) * self.block_size
+        self.prefix_hit_tokens += hit
+        return hit
+
+    def mark_computed(self, request_id: str, token_ids: Sequence[int], num_computed: int,
+                      prev_computed: int = 0) -> None:
+        """Record that tokens ``prev_computed .. num_computed - 1`` now have K/V: fill
+        counts, and register blocks that became full in the prefix cache."""
+        table = self.block_tables.get(request_id, [])
+        bs = self.block_size
+        for i in range(prev_computed // bs, min(len(table), -(-num_computed // bs))):
+            b = self.blocks[table[i]]
+            b.num_filled = max(b.num_filled, min(bs, num_computed - i * bs))
+            if b.num_filled < bs or b.hash is not None or not self.enable_prefix_caching:
+                continue
+            parent = table[i - 1] if i > 0 else None
+            parent_hash = self.blocks[parent].hash if parent is not None else None
+            if parent is not None and parent_hash is None:
+                continue              # its prefix is not cached, so neither is it
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = self.hash_fn(parent_hash, tokens)
+            if h in self.cached:      # the same content is cached already (or a collision)
+                continue
+            b.hash, b.tokens, b.parent = h, tokens, parent
+            self.cached[h] = b.block_id
+            if parent is not None:
+                self.blocks[parent].children.add(b.block_id)
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child shares every block of the parent (copy-on-write later)."""
+        if child_id in self.block_tables:
+            raise ValueError(f"request {child_id!r} already has blocks")
+        table = list(self.block_tables[parent_id])
+        for block_id in table:
+            self.blocks[block_id].ref_count += 1
+        self.block_tables[child_id] = table
+
+    def copy_on_write(self, request_id: str, first_pos: int) -> list[tuple[int, int]]:
+        """Before ``request_id`` writes tokens from position ``first_pos`` on, give it
+        a private copy of every shared block it will write into. Returns the
+        (source, destination) block pairs whose contents must be copied."""
+        table = self.block_tables[request_id]
+        copies = []
+        for i in range(first_pos // self.block_size, len(table)):
+            src = self.blocks[table[i]]
+            if src.ref_count > 1:
+                if not self.free:
+                    raise RuntimeError("no free block for copy-on-write")
+                dst = self._take_free()
+                self.blocks[dst].num_filled = src.num_filled
+                src.ref_count -= 1
+                table[i] = dst
+                copies.append((src.block_id, dst))
+        return copies
+
+    def free_request(self, request_id: str) -> None:
+        """Drop a request's references; blocks nobody holds return to the free list
+        (keeping their cached identity until they are handed out again)."""
+        for block_id in reversed(self.block_tables.pop(request_id, [])):
+            b = self.blocks[block_id]
+            b.ref_count -= 1
+            if b.ref_count == 0:
+                if b.hash is None:
+                    b.num_filled = 0
+                self.free[block_id] = None
+
+    # --- accounting ------------------------------------------------------------------
+    def used_tokens(self) -> int:
+        """Tokens held in blocks some request references (a shared block counts once)."""
+        in_use = set().union(*self.block_tables.values()) if self.block_tables else set()
+        return sum(self.blocks[i].num_filled for i in in_use)
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent (for tests)."""
+        refs = [0] * self.num_blocks
+        for table in self.block_tables.values():
+            for block_id in table:
+                refs[block_id] += 1
+        for b in self.blocks:
+            assert b.ref_count == refs[b.block_id], f"block {b.block_id}: ref {b.ref_count} != {refs[b.block_id]}"
+            assert (b.ref_count == 0) == (b.block_id in self.free), f"block {b.block_id} free-list mismatch"
+            assert b.ref_count >= 0
+        for h, block_id in self.cached.items():
+            assert self.blocks[block_id].hash == h

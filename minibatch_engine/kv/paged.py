@@ -1,0 +1,113 @@
+"""Paged KV cache (PagedAttention): blocks handed out as sequences grow.
+
+The physical pool (:class:`KVPool`) is carved into ``block_size``-token blocks;
+the :class:`BlockManager` keeps block tables, reference counts and the prefix
+cache; this class adds what touches device memory: copying a block's contents
+for copy-on-write. Attention reads K/V through the block tables, so a sequence's
+blocks can lie anywhere in the pool.
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .block_manager import BlockManager
+from .pool import KVPool
+
+
+class PagedKVCache:
+    """``num_blocks`` blocks of ``block_size`` tokens, handed out on demand."""
+
+    def __init__(self, model_config, num_blocks: int, block_size: int = 16,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 enable_prefix_caching: bool = True, watermark: float = 0.01, hash_fn=None):
+        if not 0 <= watermark < 1:
+            raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        self.pool = KVPool(model_config.num_layers, num_blocks, block_size,
+                           model_config.num_kv_heads, model_config.head_dim, dtype, device)
+        kwargs = {} if hash_fn is None else {"hash_fn": hash_fn}
+        self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching, **kwargs)
+        self.block_size = block_size
+        # Admission keeps a few blocks free so running requests can still grow.
+        self.watermark_blocks = int(watermark * num_blocks)
+
+    # --- the interface every KV manager offers the scheduler -------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.manager.num_blocks
+
+    def max_tokens_per_request(self) -> int:
+        return self.num_blocks * self.block_size
+
+    def can_allocate(self, request_id: str, num_tokens: int) -> bool:
+        return self.manager.num_new_blocks(request_id, num_tokens) <= self.manager.num_free_blocks
+
+    def allocate(self, request_id: str, num_tokens: int, num_computed_tokens: int = 0,
+                 admit: bool = False) -> bool:
+        """Make room for ``num_tokens`` tokens; tokens from ``num_computed_tokens`` on
+        will be written, so any shared block there is first copied (copy-on-write).
+        ``admit=True`` (a new request) keeps the watermark free."""
+        m = self.manager
+        has = request_id in m.block_tables
+        copies_needed = 0
+        if has:
+            table = m.block_tables[request_id]
+            copies_needed = sum(m.blocks[table[i]].ref_count > 1
+                                for i in range(num_computed_tokens // self.block_size, len(table)))
+        need = m.num_new_blocks(request_id, num_tokens) + copies_needed
+        if need > m.num_free_blocks - (self.watermark_blocks if admit else 0):
+            return False
+        if has and copies_needed:
+            for src, dst in m.copy_on_write(request_id, num_computed_tokens):
+                self.pool.kv[:, :, dst].copy_(self.pool.kv[:, :, src])
+        return m.allocate(request_id, num_tokens)
+
+    def match_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
+        return self.manager.match_prefix(request_id, token_ids)
+
+    def mark_computed(self, request_id: str, token_ids: Sequence[int], num_computed: int,
+                      prev_computed: int = 0) -> None:
+        self.manager.mark_computed(request_id, token_ids, num_computed, prev_computed)
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        self.manager.fork(parent_id, child_id)
+
+    def free(self, request_id: str) -> None:
+        self.manager.free_request(request_id)
+
+    def block_table(self, request_id: str) -> list[int]:
+        return self.manager.block_tables[request_id]
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self.manager.block_tables
+
+    def layer(self, i: int):
+        return self.pool.layer(i)
+
+    # --- memory accounting -------------------------------------------------------
+    @property
+    def bytes_per_token(self) -> int:
+        return self.pool.bytes_per_token
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.pool.allocated_bytes
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes of the blocks some request holds now."""
+        return self.manager.num_used_blocks * self.pool.bytes_per_block
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of those blocks that hold a token (a shared block counts once)."""
+        return self.manager.used_tokens() * self.pool.bytes_per_token
+
+    @property
+    def num_used_slots(self) -> int:
+        return self.manager.num_used_blocks
+
+    @property
+    def prefix_hit_tokens(self) -> int:
+        return self.manager.prefix_hit_tokens
