@@ -201,3 +201,53 @@ def batch_layout(padded_prompts: Sequence[int], ragged: Sequence[tuple[str, int,
                + [Patch(facecolor=COLORS["idle"], edgecolor="grey", label="cached")],
                loc="upper right", ncol=4, fontsize=8)
     return fig
+
+
+def block_tables(manager, request_ids: Sequence[str], labels: Sequence[str] | None = None,
+                 figsize=(8, 4)):
+    """PagedAttention's indirection: each sequence's logical blocks (top, in order)
+    and where they live in the physical pool (bottom). Colours mark the owner;
+    a block shared by several sequences is drawn in grey with a hatch."""
+    labels = list(labels or request_ids)
+    palette = ["#4C72B0", "#55A868", "#DD8452", "#8172B2", "#64B5CD", "#C44E52", "#937860", "#DA8BC3"]
+    owner: dict[int, int] = {}
+    for i, rid in enumerate(request_ids):
+        for b in manager.block_tables.get(rid, []):
+            owner[b] = -1 if b in owner and owner[b] != i else i
+    fig, (top, bottom) = plt.subplots(2, 1, figsize=figsize,
+                                      gridspec_kw={"height_ratios": [len(request_ids), 2.2]})
+    plt.close(fig)
+
+    def face(block):
+        o = owner.get(block)
+        return ("#BBBBBB", "//") if o == -1 else ((palette[o % len(palette)], None) if o is not None
+                                                  else (COLORS["idle"], None))
+
+    for row, rid in enumerate(request_ids):
+        for j, b in enumerate(manager.block_tables.get(rid, [])):
+            color, hatch = face(b)
+            top.add_patch(matplotlib.patches.Rectangle((j, row), 0.95, 0.8, facecolor=color, hatch=hatch,
+                                                       edgecolor="white"))
+            top.text(j + 0.47, row + 0.4, str(b), ha="center", va="center", fontsize=7, color="black")
+    width = max((len(manager.block_tables.get(r, [])) for r in request_ids), default=1)
+    top.set_xlim(0, max(width, 1))
+    top.set_ylim(len(request_ids), 0)
+    top.set_yticks([i + 0.4 for i in range(len(request_ids))], labels)
+    top.set_xlabel("logical block (number = physical block id)")
+    top.set_title("block tables")
+    cols = 32
+    rows = -(-manager.num_blocks // cols)
+    for b in range(manager.num_blocks):
+        color, hatch = face(b)
+        bottom.add_patch(matplotlib.patches.Rectangle((b % cols, b // cols), 0.95, 0.9, facecolor=color,
+                                                      hatch=hatch, edgecolor="white"))
+    bottom.set_xlim(0, cols)
+    bottom.set_ylim(rows, 0)
+    bottom.set_yticks([])
+    bottom.set_xticks([])
+    bottom.set_title(f"physical KV pool: {manager.num_blocks} blocks of {manager.block_size} tokens "
+                     "(grey hatched: shared, light: free)")
+    for ax in (top, bottom):
+        ax.grid(False)
+        ax.spines[:].set_visible(False)
+    return fig

@@ -51,7 +51,7 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}                 # hash -> block id
         self.block_tables: dict[str, list[int]] = {}
-        self.prefix_hit_tokens = 0
+        self.num_cow_copies = 0
 
     # --- queries -------------------------------------------------------------------
     @property
@@ -122,9 +122,7 @@ class BlockManager:
             parent_hash, parent = h, block_id
         if table:
             self.block_tables[request_id] = table
-        hit = len(table) * self.block_size
-        self.prefix_hit_tokens += hit
-        return hit
+        return len(table) * self.block_size
 
     def mark_computed(self, request_id: str, token_ids: Sequence[int], num_computed: int,
                       prev_computed: int = 0) -> None:
@@ -175,6 +173,7 @@ class BlockManager:
                 src.ref_count -= 1
                 table[i] = dst
                 copies.append((src.block_id, dst))
+        self.num_cow_copies += len(copies)
         return copies
 
     def free_request(self, request_id: str) -> None:

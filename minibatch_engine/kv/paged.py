@@ -107,7 +107,3 @@ class PagedKVCache:
     @property
     def num_used_slots(self) -> int:
         return self.manager.num_used_blocks
-
-    @property
-    def prefix_hit_tokens(self) -> int:
-        return self.manager.prefix_hit_tokens
