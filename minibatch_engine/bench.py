@@ -35,6 +35,8 @@ def summarize(engine: Engine, requests) -> dict:
         "kv_utilization": trace.kv_utilization(),
         "prefix_cache_hit_tokens": sum(r.num_cached_tokens for r in requests),
         "preemptions": sum(r.num_preemptions for r in requests),
+        "max_num_batched_tokens": engine.config.max_num_batched_tokens,
+        "chunked_prefill": engine.config.enable_chunked_prefill and engine.config.max_num_batched_tokens is not None,
     }
     if engine.cost_model is not None:
         s["sim_seconds"] = trace.end_time("sim")
@@ -76,7 +78,8 @@ def run_bench(scheduler: str = "static", workload: str = "uniform", num_requests
               arrival_rate: float | None = None, device: str = "auto", dtype: str = "float32",
               progress: bool = True, simulate_only: bool = False, kv_cache: str = "slot",
               kv_budget_bytes: int | None = None, block_size: int = 16,
-              enable_prefix_caching: bool = True) -> tuple[dict, Engine]:
+              enable_prefix_caching: bool = True, max_num_batched_tokens: int | None = None,
+              enable_chunked_prefill: bool = True) -> tuple[dict, Engine]:
     """Run a workload and return (summary dict, engine). ``simulate_only`` runs no
     model at all (``sim_gpu`` and ``sim_model`` required)."""
     if simulate_only:
@@ -95,7 +98,9 @@ def run_bench(scheduler: str = "static", workload: str = "uniform", num_requests
     cfg = EngineConfig(scheduler=scheduler, max_num_seqs=max_batch, max_model_len=max_model_len,
                        sim_gpu=sim_gpu, sim_model=sim_model, kv_cache=kv_cache,
                        kv_budget_bytes=kv_budget_bytes, block_size=block_size,
-                       enable_prefix_caching=enable_prefix_caching)
+                       enable_prefix_caching=enable_prefix_caching,
+                       max_num_batched_tokens=max_num_batched_tokens,
+                       enable_chunked_prefill=enable_chunked_prefill)
     engine = Engine(m, cfg)
     specs = make_workload(workload, num_requests, seed=seed, vocab_size=vocab, arrival_rate=arrival_rate)
     reqs = [engine.add_request(s.prompt_token_ids, s.sampling_params(), arrival_time=s.arrival_time)

@@ -26,6 +26,10 @@ def _bench_args(p: argparse.ArgumentParser, simulate: bool) -> None:
                    help="KV cache memory in bytes (default: max-batch x max-model-len tokens)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (paged)")
     p.add_argument("--no-prefix-caching", action="store_true", help="paged: do not share prefixes")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="T",
+                   help="per-step token budget (continuous scheduler; default: unlimited)")
+    p.add_argument("--no-chunked-prefill", action="store_true",
+                   help="with a budget, wait until a prompt fits whole instead of chunking it")
     p.add_argument("--json", metavar="PATH", help="write the summary as JSON")
     p.add_argument("--plot", metavar="PATH", help="save a timeline figure of the run")
     p.add_argument("--no-progress", action="store_true")
@@ -86,6 +90,8 @@ def _bench(args, simulate: bool) -> int:
         progress=not args.no_progress, simulate_only=simulate, kv_cache=args.kv,
         kv_budget_bytes=args.kv_budget, block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        enable_chunked_prefill=not args.no_chunked_prefill,
         **({} if simulate else {"model": args.model, "device": args.device, "dtype": args.dtype}))
     print(format_table(summary))
     if args.json:

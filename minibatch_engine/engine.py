@@ -45,6 +45,10 @@ class EngineConfig:
         both get ``max_num_seqs x max_model_len`` tokens.
     enable_prefix_caching: paged cache only: share the full blocks of a common
         prompt prefix. watermark: share of blocks admission keeps free.
+    max_num_batched_tokens: the per-step token budget (None: unlimited).
+        With ``enable_chunked_prefill`` prompts are split into chunks that fill
+        what decode tokens leave; ``max_num_partial_prefills`` prompts may be
+        part-way at once. Without it a prompt waits until it fits whole.
     sim_gpu, sim_model: with a GPU name, every step is also timed by the roofline
         cost model of ``sim_model`` (a preset name, or the engine's own model).
     """
@@ -57,6 +61,9 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     enable_prefix_caching: bool = True
     watermark: float = 0.01
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    max_num_partial_prefills: int = 1
     sim_gpu: str | None = None
     sim_model: str | ModelConfig | None = None
     step_overhead_s: float = 1e-3
@@ -74,6 +81,8 @@ class EngineConfig:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.kv_budget_bytes is not None and self.kv_budget_bytes <= 0:
             raise ValueError(f"kv_budget_bytes must be positive, got {self.kv_budget_bytes}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
 
@@ -103,7 +112,11 @@ class Engine:
         device = model.device if model is not None else torch.device("meta")
         dtype = model.dtype if model is not None else torch.bfloat16
         self.kv_cache = self._make_kv_cache(dtype, device)
-        self.scheduler = make_scheduler(cfg.scheduler, self.kv_cache, cfg.max_num_seqs, self.max_model_len)
+        options = {} if cfg.scheduler == "static" and cfg.max_num_batched_tokens is None else dict(
+            max_num_batched_tokens=cfg.max_num_batched_tokens, enable_chunked_prefill=cfg.enable_chunked_prefill,
+            max_num_partial_prefills=cfg.max_num_partial_prefills)
+        self.scheduler = make_scheduler(cfg.scheduler, self.kv_cache, cfg.max_num_seqs, self.max_model_len,
+                                        **options)
         self.executor: Executor = TorchExecutor(model, self.kv_cache) if model is not None else SimExecutor()
         self.cost_model = (RooflineCostModel(get_gpu(cfg.sim_gpu), sim_cfg, step_overhead_s=cfg.step_overhead_s)
                            if cfg.sim_gpu else None)

@@ -27,6 +27,8 @@ COLORS = {
     "slot": "#8C8C8C",         # grey: slot KV cache
     "compute": "#4C72B0",
     "memory": "#DD8452",
+    "chunked": "#55A868",      # green: chunked prefill
+    "unchunked": "#C44E52",    # red: whole prompts (the stall)
 }
 LANE_KINDS = ("idle", "prefill", "decode", "pad")
 
@@ -250,4 +252,19 @@ def block_tables(manager, request_ids: Sequence[str], labels: Sequence[str] | No
     for ax in (top, bottom):
         ax.grid(False)
         ax.spines[:].set_visible(False)
+    return fig
+
+
+def itl_timeline(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], xlabel: str,
+                 ylabel: str, ax=None, title: str | None = None, figsize=(7, 3.2)):
+    """Inter-token gaps against time: for each label, (token times, gaps). A
+    prefill that stalls the batch shows as a spike."""
+    fig, ax = _axes(ax, figsize)
+    for label, (t, gaps) in series.items():
+        ax.plot(t, gaps, marker=".", ms=3, lw=1, label=label, color=COLORS.get(label))
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.legend()
+    if title:
+        ax.set_title(title)
     return fig

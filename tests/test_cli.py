@@ -49,6 +49,17 @@ def test_bench_paged_continuous_keys(tmp_path):
     assert 0 < data["kv_utilization"] <= 1
 
 
+def test_bench_chunked_prefill_flags(tmp_path):
+    out = tmp_path / "c.json"
+    assert main(["simulate", "--scheduler", "continuous", "--workload", "chat", "--num-requests", "8",
+                 "--max-batch", "4", "--max-num-batched-tokens", "64", "--json", str(out), "--no-progress"]) == 0
+    data = json.loads(out.read_text())
+    assert data["chunked_prefill"] is True and data["max_num_batched_tokens"] == 64
+    assert "itl_sim_seconds_p99" in data
+    assert main(["simulate", "--scheduler", "continuous", "--num-requests", "4", "--max-batch", "4",
+                 "--max-num-batched-tokens", "64", "--no-chunked-prefill", "--no-progress"]) == 2
+
+
 def test_simulate_and_generate_commands_run(capsys):
     assert main(["simulate", "--num-requests", "4", "--max-batch", "2", "--no-progress"]) == 0
     assert "sim_seconds" in capsys.readouterr().out

@@ -6,11 +6,16 @@ from .static import StaticScheduler
 SCHEDULERS = {"static": StaticScheduler, "continuous": ContinuousScheduler}
 
 
-def make_scheduler(name: str, kv_cache, max_num_seqs: int, max_model_len: int) -> Scheduler:
-    """Build a scheduler by name (``static`` or ``continuous``)."""
+def make_scheduler(name: str, kv_cache, max_num_seqs: int, max_model_len: int, **options) -> Scheduler:
+    """Build a scheduler by name (``static`` or ``continuous``). ``options`` go to
+    the continuous scheduler (token budget, chunked prefill)."""
     if name not in SCHEDULERS:
         raise ValueError(f"unknown scheduler {name!r}; choose one of {sorted(SCHEDULERS)}")
-    return SCHEDULERS[name](kv_cache, max_num_seqs, max_model_len)
+    if name == "static":
+        if options.get("max_num_batched_tokens") is not None:
+            raise ValueError("a token budget (max_num_batched_tokens) needs the continuous scheduler")
+        return StaticScheduler(kv_cache, max_num_seqs, max_model_len)
+    return SCHEDULERS[name](kv_cache, max_num_seqs, max_model_len, **options)
 
 
 __all__ = ["Scheduler", "SchedulerOutput", "ScheduledRequest", "PaddingWork",

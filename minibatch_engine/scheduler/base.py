@@ -14,8 +14,9 @@ class ScheduledRequest:
 
     @property
     def is_prefill(self) -> bool:
-        """True while the request is still computing its prompt."""
-        return self.request.num_computed_tokens < self.request.num_prompt_tokens
+        """True for prompt work (a whole prompt or a chunk of it) and for the
+        multi-token recompute of a request resuming after preemption."""
+        return self.num_tokens > 1 or self.request.num_computed_tokens < self.request.num_prompt_tokens
 
 
 @dataclass

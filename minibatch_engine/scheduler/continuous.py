@@ -1,19 +1,24 @@
-"""Iteration-level (continuous) batching, first come first served.
+"""Iteration-level (continuous) batching, first come first served, with an
+optional per-step token budget (chunked prefill).
 
 Orca's idea: decide the batch at every step (iteration), not once per batch.
 Requests that finished in the previous step have already given back their KV
 memory; free places are refilled from the waiting queue at once, and a newly
-admitted request's whole prompt is prefilled in the same step as the running
+admitted request's prompt is prefilled in the same step as the running
 requests' decode tokens.
 
-The rule for how many tokens a request computes is the one vLLM V1 uses for
-every case: ``num_tokens - num_computed_tokens``, everything it knows but has
-not computed. That is the whole prompt for a new request, one token for a
-decoding one, and prompt plus outputs for a request resuming after preemption;
-chunked prefill (chapter 5) will only cap it by a token budget.
+How many tokens a request computes follows one rule, the one vLLM V1 uses for
+every case: everything it knows but has not computed,
+``num_tokens - num_computed_tokens``, capped by what is left of the step's
+token budget (``max_num_batched_tokens``). Without a budget that is the whole
+prompt for a newcomer and one token for a decoding request. With a budget and
+chunked prefill (Sarathi-Serve), decode tokens are scheduled first and prompts
+fill what is left in chunks, so a long prompt no longer stalls everyone's next
+token; a prompt may then take several steps, tracked by
+``num_computed_tokens``.
 
 With a paged KV cache, admission is by free blocks, and a running request that
-cannot get a block for its next token takes memory back from the most recently
+cannot get a block for its next tokens takes memory back from the most recently
 arrived running request (preemption by recompute: the victim's blocks are freed
 and it re-queues at the front, to be prefilled again later).
 """
@@ -28,9 +33,25 @@ from .base import ScheduledRequest, Scheduler, SchedulerOutput
 class ContinuousScheduler(Scheduler):
     name = "continuous"
 
-    def __init__(self, kv_cache, max_num_seqs: int, max_model_len: int):
+    def __init__(self, kv_cache, max_num_seqs: int, max_model_len: int,
+                 max_num_batched_tokens: int | None = None, enable_chunked_prefill: bool = True,
+                 max_num_partial_prefills: int = 1):
         super().__init__(kv_cache, max_num_seqs)
+        if max_num_batched_tokens is not None:
+            if enable_chunked_prefill and max_num_batched_tokens < max_num_seqs:
+                raise ValueError(
+                    f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
+                    f"({max_num_seqs}), or decode tokens could fill every step and starve prefills")
+            if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
+                raise ValueError(
+                    f"without chunked prefill max_num_batched_tokens ({max_num_batched_tokens}) must be "
+                    f">= max_model_len ({max_model_len}), or a long prompt could never be scheduled")
+        if max_num_partial_prefills < 1:
+            raise ValueError(f"max_num_partial_prefills must be >= 1, got {max_num_partial_prefills}")
         self.max_model_len = max_model_len
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.max_num_partial_prefills = max_num_partial_prefills
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -43,39 +64,71 @@ class ContinuousScheduler(Scheduler):
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
+    def _grant(self, req: Request, budget: int) -> int:
+        """Tokens ``req`` may compute this step with ``budget`` left (0: none)."""
+        remaining = req.num_tokens - req.num_computed_tokens
+        if remaining <= budget:
+            return remaining
+        return budget if self.enable_chunked_prefill else 0
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        # 1. Everyone running computes what it has not computed yet (one decode token),
-        #    taking memory from the latest arrivals if the cache is full.
-        i = 0
-        while i < len(self.running):
-            req = self.running[i]
-            if self.kv_cache.allocate(req.request_id, req.num_tokens, req.num_computed_tokens):
-                out.scheduled.append(ScheduledRequest(req, req.num_tokens - req.num_computed_tokens))
-                i += 1
-            else:
-                self._preempt(self.running[-1])      # may be req itself; then i stays past the end
+        budget = self.max_num_batched_tokens if self.max_num_batched_tokens is not None else float("inf")
+        partial = 0      # prefills that span steps (in progress, or starting a chunk now)
+        # 1. Running requests in arrival order: decode tokens first, then the
+        #    prefills (or chunks) of requests part-way through their prompt.
+        #    A request that cannot get KV blocks takes them from the latest arrival.
+        granted: dict[int, int] = {}
+        for decode_pass in (True, False):
+            i = 0
+            while i < len(self.running):
+                req = self.running[i]
+                remaining = req.num_tokens - req.num_computed_tokens
+                decoding = remaining == 1 and req.num_computed_tokens >= req.num_prompt_tokens
+                n = 0 if decoding != decode_pass or id(req) in granted else self._grant(req, budget)
+                spans = not decode_pass and n > 0 and (n < remaining or req.num_computed_tokens > 0)
+                if n == 0 or (spans and partial >= self.max_num_partial_prefills):
+                    i += 1
+                    continue
+                if self.kv_cache.allocate(req.request_id, req.num_computed_tokens + n, req.num_computed_tokens):
+                    granted[id(req)] = n
+                    budget -= n
+                    partial += spans
+                    i += 1
+                else:
+                    victim = self.running[-1]
+                    self._preempt(victim)
+                    budget += granted.pop(id(victim), 0)
+        out.scheduled = [ScheduledRequest(r, granted[id(r)]) for r in self.running if id(r) in granted]
         # 2. Free places are refilled from the queue, in arrival order, this very step.
-        while self.waiting and len(self.running) + self.waiting[0].sampling_params.n <= self.max_num_seqs:
+        while self.waiting and budget > 0 and \
+                len(self.running) + self.waiting[0].sampling_params.n <= self.max_num_seqs:
             req = self.waiting[0]
-            if not self._admit(req):
-                break                       # no KV memory: wait for someone to finish
+            n = self._admit(req, budget, allow_partial=partial < self.max_num_partial_prefills)
+            if n == 0:
+                break                       # no KV memory or budget: wait, first come first served
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.scheduled.append(ScheduledRequest(req, req.num_tokens - req.num_computed_tokens))
+            partial += n < req.num_tokens - req.num_computed_tokens
+            budget -= n
+            out.scheduled.append(ScheduledRequest(req, n))
         return out
 
-    def _admit(self, req: Request) -> bool:
-        """Reuse cached prefix blocks, then take blocks for the rest (keeping the
-        cache's watermark free)."""
+    def _admit(self, req: Request, budget, allow_partial: bool) -> int:
+        """Reuse cached prefix blocks, then take blocks for what this step computes
+        (keeping the cache's watermark free). Returns the tokens granted (0: not
+        admitted, nothing held)."""
         hit = self.kv_cache.match_prefix(req.request_id, req.all_token_ids)
-        if self.kv_cache.allocate(req.request_id, req.num_tokens, hit, admit=True):
-            req.num_computed_tokens = hit
+        req.num_computed_tokens = hit
+        n = self._grant(req, budget)
+        if n and (allow_partial or n == req.num_tokens - hit) and \
+                self.kv_cache.allocate(req.request_id, hit + n, hit, admit=True):
             req.num_cached_tokens += hit
-            return True
+            return n
         self.kv_cache.free(req.request_id)            # give the matched prefix back
-        return False
+        req.num_computed_tokens = 0
+        return 0
 
     def _preempt(self, victim: Request) -> None:
         """Recompute preemption: free the victim's KV memory; it re-queues first."""
