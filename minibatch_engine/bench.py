@@ -35,6 +35,8 @@ def summarize(engine: Engine, requests) -> dict:
         "kv_utilization": trace.kv_utilization(),
         "prefix_cache_hit_tokens": sum(r.num_cached_tokens for r in requests),
         "preemptions": sum(r.num_preemptions for r in requests),
+        "recomputed_tokens": sum(r.num_recomputed_tokens for r in requests),
+        "swapped_bytes": sum(st.swap_bytes for st in trace.steps),
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "chunked_prefill": engine.config.enable_chunked_prefill and engine.config.max_num_batched_tokens is not None,
     }
@@ -76,12 +78,11 @@ def run_bench(scheduler: str = "static", workload: str = "uniform", num_requests
               max_batch: int = 16, seed: int = 0, model="tiny", sim_gpu: str | None = None,
               sim_model: str | None = None, max_model_len: int | None = None,
               arrival_rate: float | None = None, device: str = "auto", dtype: str = "float32",
-              progress: bool = True, simulate_only: bool = False, kv_cache: str = "slot",
-              kv_budget_bytes: int | None = None, block_size: int = 16,
-              enable_prefix_caching: bool = True, max_num_batched_tokens: int | None = None,
-              enable_chunked_prefill: bool = True) -> tuple[dict, Engine]:
+              progress: bool = True, simulate_only: bool = False, **engine_options) -> tuple[dict, Engine]:
     """Run a workload and return (summary dict, engine). ``simulate_only`` runs no
-    model at all (``sim_gpu`` and ``sim_model`` required)."""
+    model at all (``sim_gpu`` and ``sim_model`` required). ``engine_options`` are
+    further :class:`EngineConfig` fields (``kv_cache``, ``kv_budget_bytes``,
+    ``block_size``, ``max_num_batched_tokens``, ``preemption_mode``, ...)."""
     if simulate_only:
         m, vocab = None, 256
     else:
@@ -96,11 +97,7 @@ def run_bench(scheduler: str = "static", workload: str = "uniform", num_requests
         vocab = min(256, m.config.vocab_size)
         warmup(m)
     cfg = EngineConfig(scheduler=scheduler, max_num_seqs=max_batch, max_model_len=max_model_len,
-                       sim_gpu=sim_gpu, sim_model=sim_model, kv_cache=kv_cache,
-                       kv_budget_bytes=kv_budget_bytes, block_size=block_size,
-                       enable_prefix_caching=enable_prefix_caching,
-                       max_num_batched_tokens=max_num_batched_tokens,
-                       enable_chunked_prefill=enable_chunked_prefill)
+                       sim_gpu=sim_gpu, sim_model=sim_model, **engine_options)
     engine = Engine(m, cfg)
     specs = make_workload(workload, num_requests, seed=seed, vocab_size=vocab, arrival_rate=arrival_rate)
     reqs = [engine.add_request(s.prompt_token_ids, s.sampling_params(), arrival_time=s.arrival_time)

@@ -30,6 +30,10 @@ def _bench_args(p: argparse.ArgumentParser, simulate: bool) -> None:
                    help="per-step token budget (continuous scheduler; default: unlimited)")
     p.add_argument("--no-chunked-prefill", action="store_true",
                    help="with a budget, wait until a prompt fits whole instead of chunking it")
+    p.add_argument("--preemption", choices=["recompute", "swap"], default="recompute",
+                   help="how to take KV memory back when the paged cache is full")
+    p.add_argument("--swap-space", type=int, default=0, metavar="BYTES",
+                   help="host memory for swapped-out KV blocks (with --preemption swap)")
     p.add_argument("--json", metavar="PATH", help="write the summary as JSON")
     p.add_argument("--plot", metavar="PATH", help="save a timeline figure of the run")
     p.add_argument("--no-progress", action="store_true")
@@ -92,6 +96,7 @@ def _bench(args, simulate: bool) -> int:
         enable_prefix_caching=not args.no_prefix_caching,
         max_num_batched_tokens=args.max_num_batched_tokens,
         enable_chunked_prefill=not args.no_chunked_prefill,
+        preemption_mode=args.preemption, swap_space_bytes=args.swap_space,
         **({} if simulate else {"model": args.model, "device": args.device, "dtype": args.dtype}))
     print(format_table(summary))
     if args.json:

@@ -19,11 +19,12 @@ from dataclasses import dataclass, replace
 import torch
 
 from .executor import Executor, SimExecutor, TorchExecutor
-from .kv import PagedKVCache, SlotKVCache
+from .kv import PagedKVCache, SlotKVCache, SwapSpace
 from .model.config import ModelConfig, get_preset
 from .request import Request, RequestStatus
 from .sampling import SamplingParams
 from .scheduler import make_scheduler
+from .scheduler.preemption import Preemptor
 from .sim import RooflineCostModel, get_gpu
 from .trace import LaneRecord, StepRecord, Trace
 
@@ -45,6 +46,10 @@ class EngineConfig:
         both get ``max_num_seqs x max_model_len`` tokens.
     enable_prefix_caching: paged cache only: share the full blocks of a common
         prompt prefix. watermark: share of blocks admission keeps free.
+    preemption_mode: when the paged cache runs dry, ``"recompute"`` the victim
+        later or ``"swap"`` its blocks to ``swap_space_bytes`` of host memory
+        (falling back to recompute when that is full); ``preemption_victim``:
+        ``"latest"`` arrival (vLLM's choice) or ``"most_blocks"``.
     max_num_batched_tokens: the per-step token budget (None: unlimited).
         With ``enable_chunked_prefill`` prompts are split into chunks that fill
         what decode tokens leave; ``max_num_partial_prefills`` prompts may be
@@ -64,6 +69,9 @@ class EngineConfig:
     max_num_batched_tokens: int | None = None
     enable_chunked_prefill: bool = True
     max_num_partial_prefills: int = 1
+    preemption_mode: str = "recompute"
+    swap_space_bytes: int = 0
+    preemption_victim: str = "latest"
     sim_gpu: str | None = None
     sim_model: str | ModelConfig | None = None
     step_overhead_s: float = 1e-3
@@ -83,6 +91,12 @@ class EngineConfig:
             raise ValueError(f"kv_budget_bytes must be positive, got {self.kv_budget_bytes}")
         if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
             raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode must be 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.preemption_mode == "swap" and self.kv_cache != "paged":
+            raise ValueError("swap preemption needs the paged KV cache (kv_cache='paged')")
+        if self.swap_space_bytes < 0:
+            raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
 
@@ -112,9 +126,16 @@ class Engine:
         device = model.device if model is not None else torch.device("meta")
         dtype = model.dtype if model is not None else torch.bfloat16
         self.kv_cache = self._make_kv_cache(dtype, device)
+        self.swap_space = None
+        if cfg.preemption_mode == "swap":
+            self.swap_space = SwapSpace(self.model_config, cfg.swap_space_bytes // self.kv_cache.pool.bytes_per_block,
+                                        cfg.block_size, dtype, device.type)
         options = {} if cfg.scheduler == "static" and cfg.max_num_batched_tokens is None else dict(
             max_num_batched_tokens=cfg.max_num_batched_tokens, enable_chunked_prefill=cfg.enable_chunked_prefill,
             max_num_partial_prefills=cfg.max_num_partial_prefills)
+        if cfg.scheduler != "static":
+            options["preemptor"] = Preemptor(self.kv_cache, cfg.preemption_mode, self.swap_space,
+                                             cfg.preemption_victim)
         self.scheduler = make_scheduler(cfg.scheduler, self.kv_cache, cfg.max_num_seqs, self.max_model_len,
                                         **options)
         self.executor: Executor = TorchExecutor(model, self.kv_cache) if model is not None else SimExecutor()
@@ -241,7 +262,8 @@ class Engine:
             return []
         step = len(self.trace)
         wall_start = self.wall_now()
-        sim_dt = self.cost_model.step_time(sched.sequence_shapes()) if self.cost_model else None
+        sim_dt = (self.cost_model.step_time(sched.sequence_shapes(), swap_bytes=sched.swap_bytes)
+                  if self.cost_model else None)
 
         lanes, prefill_tokens = [], 0
         for s in sched.scheduled:
@@ -285,6 +307,7 @@ class Engine:
             kv_capacity_bytes=self.kv_cache.capacity_bytes,
             wall_start=wall_start, wall_end=self.wall_now(),
             forward_s=result.forward_s, sample_s=result.sample_s,
+            preempted=sched.preempted, swap_bytes=sched.swap_bytes,
             sim_start=sim_start, sim_end=self.sim_now if self.cost_model else None))
         return finished
 

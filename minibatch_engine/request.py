@@ -34,6 +34,8 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0                # prompt tokens found in the prefix cache
     num_preemptions: int = 0
+    num_recomputed_tokens: int = 0            # K/V thrown away by recompute preemption
+    num_swaps: int = 0
     parent_id: str | None = None              # set on the forked samples of n > 1
     finish_reason: str | None = None          # "length", "stop" or "abort"
     eos_token_id: int | None = None

@@ -40,6 +40,8 @@ class StepRecord:
     sample_s: float = 0.0
     sim_start: float | None = None
     sim_end: float | None = None
+    preempted: list = field(default_factory=list)   # (request_id, "recompute" | "swap")
+    swap_bytes: int = 0                             # KV bytes copied host <-> device
 
     @property
     def padding_tokens(self) -> int:

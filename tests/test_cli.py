@@ -60,6 +60,16 @@ def test_bench_chunked_prefill_flags(tmp_path):
                  "--max-num-batched-tokens", "64", "--no-chunked-prefill", "--no-progress"]) == 2
 
 
+def test_bench_preemption_keys(tmp_path):
+    out = tmp_path / "s.json"
+    assert main(["simulate", "--scheduler", "continuous", "--kv", "paged", "--kv-budget", str(2 ** 27),
+                 "--num-requests", "24", "--max-batch", "16", "--preemption", "swap",
+                 "--swap-space", str(2 ** 30), "--json", str(out), "--no-progress"]) == 0
+    data = json.loads(out.read_text())
+    assert data["preemptions"] > 0 and data["swapped_bytes"] > 0 and data["finished_requests"] == 24
+    assert "recomputed_tokens" in data
+
+
 def test_simulate_and_generate_commands_run(capsys):
     assert main(["simulate", "--num-requests", "4", "--max-batch", "2", "--no-progress"]) == 0
     assert "sim_seconds" in capsys.readouterr().out

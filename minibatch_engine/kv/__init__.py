@@ -3,5 +3,6 @@ from .block_manager import BlockManager, chain_hash
 from .paged import PagedKVCache
 from .pool import KVPool
 from .slot import SlotKVCache
+from .swap import SwapSpace
 
-__all__ = ["KVPool", "SlotKVCache", "PagedKVCache", "BlockManager", "chain_hash"]
+__all__ = ["KVPool", "SlotKVCache", "PagedKVCache", "BlockManager", "chain_hash", "SwapSpace"]

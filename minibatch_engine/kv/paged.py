@@ -76,6 +76,24 @@ class PagedKVCache:
     def free(self, request_id: str) -> None:
         self.manager.free_request(request_id)
 
+    def swap_out(self, request_id: str, swap) -> int:
+        """Copy a request's blocks to the host swap space and free them here."""
+        nbytes = swap.swap_out(request_id, self.pool, list(self.manager.block_tables[request_id]))
+        self.manager.free_request(request_id)
+        return nbytes
+
+    def can_swap_in(self, swap, request_id: str, extra_blocks: int = 0) -> bool:
+        return len(swap.tables[request_id]) + extra_blocks <= self.manager.num_free_blocks
+
+    def swap_in(self, request_id: str, swap, token_ids, num_computed: int) -> int:
+        """Take fresh blocks and copy the request's swapped K/V back into them."""
+        num_blocks = len(swap.tables[request_id])
+        if not self.manager.allocate(request_id, num_blocks * self.block_size):
+            raise RuntimeError(f"no room to swap {request_id!r} back in")
+        nbytes = swap.swap_in(request_id, self.pool, self.manager.block_tables[request_id])
+        self.manager.mark_computed(request_id, token_ids, num_computed)
+        return nbytes
+
     def block_table(self, request_id: str) -> list[int]:
         return self.manager.block_tables[request_id]
 

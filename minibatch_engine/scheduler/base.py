@@ -37,6 +37,8 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     padding: list[PaddingWork] = field(default_factory=list)
     batch_id: int | None = None      # static batching numbers its batches
+    preempted: list = field(default_factory=list)   # (request_id, "recompute" | "swap")
+    swap_bytes: int = 0              # KV bytes copied between host and device this step
 
     @property
     def is_empty(self) -> bool:

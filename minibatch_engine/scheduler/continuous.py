@@ -18,9 +18,9 @@ token; a prompt may then take several steps, tracked by
 ``num_computed_tokens``.
 
 With a paged KV cache, admission is by free blocks, and a running request that
-cannot get a block for its next tokens takes memory back from the most recently
-arrived running request (preemption by recompute: the victim's blocks are freed
-and it re-queues at the front, to be prefilled again later).
+cannot get a block for its next tokens takes memory back from a victim (see
+:mod:`.preemption`): recomputed later, or swapped to host memory and back.
+Swapped-out requests come back before any new request is admitted.
 """
 from __future__ import annotations
 
@@ -28,6 +28,7 @@ from collections import deque
 
 from ..request import Request, RequestStatus
 from .base import ScheduledRequest, Scheduler, SchedulerOutput
+from .preemption import Preemptor
 
 
 class ContinuousScheduler(Scheduler):
@@ -35,7 +36,7 @@ class ContinuousScheduler(Scheduler):
 
     def __init__(self, kv_cache, max_num_seqs: int, max_model_len: int,
                  max_num_batched_tokens: int | None = None, enable_chunked_prefill: bool = True,
-                 max_num_partial_prefills: int = 1):
+                 max_num_partial_prefills: int = 1, preemptor: Preemptor | None = None):
         super().__init__(kv_cache, max_num_seqs)
         if max_num_batched_tokens is not None:
             if enable_chunked_prefill and max_num_batched_tokens < max_num_seqs:
@@ -54,7 +55,8 @@ class ContinuousScheduler(Scheduler):
         self.max_num_partial_prefills = max_num_partial_prefills
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.num_preemptions = 0
+        self.swapped: deque[Request] = deque()
+        self.preemptor = preemptor or Preemptor(kv_cache)
 
     def add_request(self, request: Request) -> None:
         self.waiting.append(request)
@@ -96,12 +98,27 @@ class ContinuousScheduler(Scheduler):
                     partial += spans
                     i += 1
                 else:
-                    victim = self.running[-1]
-                    self._preempt(victim)
+                    victim = self.preemptor.pick_victim(self.running)
+                    if self.running.index(victim) < i:
+                        i -= 1
+                    out.preempted.append((victim.request_id, self._preempt(victim)))
                     budget += granted.pop(id(victim), 0)
         out.scheduled = [ScheduledRequest(r, granted[id(r)]) for r in self.running if id(r) in granted]
-        # 2. Free places are refilled from the queue, in arrival order, this very step.
-        while self.waiting and budget > 0 and \
+        # 2. Swapped-out requests come back first, when memory allows (and nobody
+        #    was preempted this step, which would only swap them out again).
+        while self.swapped and not out.preempted and budget > 0 and len(self.running) < self.max_num_seqs \
+                and self.preemptor.can_swap_in(self.swapped[0]):
+            req = self.swapped.popleft()
+            self.preemptor.swap_in(req)
+            n = self._grant(req, budget)
+            self.running.append(req)
+            if n and self.kv_cache.allocate(req.request_id, req.num_computed_tokens + n, req.num_computed_tokens):
+                granted[id(req)] = n
+                budget -= n
+                partial += n > 1
+                out.scheduled.append(ScheduledRequest(req, n))
+        # 3. Free places are refilled from the queue, in arrival order, this very step.
+        while not self.swapped and self.waiting and budget > 0 and \
                 len(self.running) + self.waiting[0].sampling_params.n <= self.max_num_seqs:
             req = self.waiting[0]
             n = self._admit(req, budget, allow_partial=partial < self.max_num_partial_prefills)
@@ -113,6 +130,7 @@ class ContinuousScheduler(Scheduler):
             partial += n < req.num_tokens - req.num_computed_tokens
             budget -= n
             out.scheduled.append(ScheduledRequest(req, n))
+        out.swap_bytes, self.preemptor.step_swap_bytes = self.preemptor.step_swap_bytes, 0
         return out
 
     def _admit(self, req: Request, budget, allow_partial: bool) -> int:
@@ -122,23 +140,26 @@ class ContinuousScheduler(Scheduler):
         hit = self.kv_cache.match_prefix(req.request_id, req.all_token_ids)
         req.num_computed_tokens = hit
         n = self._grant(req, budget)
+        # The watermark keeps room for running requests to grow; with none running
+        # it would only stop a request that needs the whole pool from ever starting.
         if n and (allow_partial or n == req.num_tokens - hit) and \
-                self.kv_cache.allocate(req.request_id, hit + n, hit, admit=True):
+                self.kv_cache.allocate(req.request_id, hit + n, hit, admit=bool(self.running)):
             req.num_cached_tokens += hit
             return n
         self.kv_cache.free(req.request_id)            # give the matched prefix back
         req.num_computed_tokens = 0
         return 0
 
-    def _preempt(self, victim: Request) -> None:
-        """Recompute preemption: free the victim's KV memory; it re-queues first."""
+    def _preempt(self, victim: Request) -> str:
+        """Take the victim's KV memory; it waits to be swapped back in, or re-queues
+        first to be recomputed."""
         self.running.remove(victim)
-        self.kv_cache.free(victim.request_id)
-        victim.status = RequestStatus.PREEMPTED
-        victim.num_computed_tokens = 0
-        victim.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(victim)
+        how = self.preemptor.preempt(victim)
+        if how == "swap":
+            self.swapped.append(victim)
+        else:
+            self.waiting.appendleft(victim)
+        return how
 
     def on_request_finished(self, request: Request) -> None:
         """A finished request leaves the batch and frees its KV memory at once."""
@@ -149,9 +170,12 @@ class ContinuousScheduler(Scheduler):
     def abort(self, request: Request) -> None:
         if request in self.waiting:
             self.waiting.remove(request)
+        if request in self.swapped:
+            self.swapped.remove(request)
+            self.preemptor.discard(request)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.swapped)
 
     @property
     def num_running(self) -> int:

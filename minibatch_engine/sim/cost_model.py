@@ -8,6 +8,8 @@ step time = max(FLOPs / peak FLOP/s, bytes moved / HBM bandwidth) + overhead
 * Bytes: every weight is read once per step (whatever the batch), each
   sequence's cached K/V is read once, and the new tokens' K/V written once.
 * overhead: a fixed per-step cost (scheduling, kernel launches, sampling).
+* swaps: KV blocks copied between host and device at the GPU's host-link
+  bandwidth, not overlapped with compute (preemption, chapter 6).
 
 It ignores activations' traffic, kernel efficiency and overlap: a lower bound
 that is right about *which* resource binds, which is what the book uses it for.
@@ -54,8 +56,12 @@ class RooflineCostModel:
         bound = "compute" if t_compute >= t_memory else "memory"
         return StepCost(flops, nbytes, max(t_compute, t_memory) + self.step_overhead_s, bound)
 
-    def step_time(self, shapes: list[tuple[int, int]]) -> float:
-        return self.step_cost(shapes).seconds if shapes else 0.0
+    def swap_time(self, nbytes: int) -> float:
+        """Seconds to copy ``nbytes`` of KV cache between host and device."""
+        return nbytes / self.gpu.host_link_bandwidth
+
+    def step_time(self, shapes: list[tuple[int, int]], swap_bytes: int = 0) -> float:
+        return (self.step_cost(shapes).seconds if shapes else 0.0) + self.swap_time(swap_bytes)
 
     def __repr__(self) -> str:
         return (f"RooflineCostModel({self.model.name} on {self.gpu.name}, "

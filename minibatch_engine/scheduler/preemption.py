@@ -1,0 +1,67 @@
+"""Preemption: taking KV memory back from a running request, losing nothing.
+
+With blocks handed out on demand (chapter 4), running requests can grow until
+no free block is left. The scheduler then preempts a victim (by default the
+most recently arrived running request, as vLLM does) and retries. Two ways to
+take its memory:
+
+* **recompute**: free the victim's blocks and put it back at the front of the
+  queue. When it resumes, its prompt *and the tokens it already generated* are
+  prefilled again (chunked like any prefill); its outputs are kept.
+* **swap**: copy the victim's blocks to a bounded pool in host memory, free
+  them on the GPU, and copy them back into free blocks when memory returns.
+  When the host pool is full, fall back to recompute.
+
+Either way the request's tokens are exactly those of a run with no preemption.
+"""
+from __future__ import annotations
+
+from ..request import Request, RequestStatus
+
+VICTIM_POLICIES = ("latest", "most_blocks")
+MODES = ("recompute", "swap")
+
+
+class Preemptor:
+    def __init__(self, kv_cache, mode: str = "recompute", swap_space=None, victim: str = "latest"):
+        if mode not in MODES:
+            raise ValueError(f"preemption mode must be one of {MODES}, got {mode!r}")
+        if victim not in VICTIM_POLICIES:
+            raise ValueError(f"victim policy must be one of {VICTIM_POLICIES}, got {victim!r}")
+        if mode == "swap" and swap_space is None:
+            raise ValueError("swap preemption needs a swap space")
+        self.kv_cache, self.mode, self.swap_space, self.victim = kv_cache, mode, swap_space, victim
+        self.step_swap_bytes = 0       # bytes copied host <-> device in the current step
+
+    def pick_victim(self, running: list[Request]) -> Request:
+        if self.victim == "latest":
+            return running[-1]
+        return max(reversed(running), key=lambda r: len(self.kv_cache.block_table(r.request_id)))
+
+    def preempt(self, victim: Request) -> str:
+        """Take the victim's KV memory; returns how ("swap" or "recompute")."""
+        victim.status = RequestStatus.PREEMPTED
+        victim.num_preemptions += 1
+        if self.mode == "swap" and self.swap_space.can_swap_out(len(self.kv_cache.block_table(victim.request_id))):
+            self.step_swap_bytes += self.kv_cache.swap_out(victim.request_id, self.swap_space)
+            victim.num_swaps += 1
+            return "swap"
+        self.kv_cache.free(victim.request_id)
+        victim.num_recomputed_tokens += victim.num_computed_tokens
+        victim.num_computed_tokens = 0
+        return "recompute"
+
+    def can_swap_in(self, req: Request) -> bool:
+        # room for its blocks plus one for the next token, and the admission watermark
+        return self.kv_cache.can_swap_in(self.swap_space, req.request_id,
+                                         1 + self.kv_cache.watermark_blocks)
+
+    def swap_in(self, req: Request) -> None:
+        self.step_swap_bytes += self.kv_cache.swap_in(req.request_id, self.swap_space, req.all_token_ids,
+                                                      req.num_computed_tokens)
+        req.status = RequestStatus.RUNNING
+
+    def discard(self, req: Request) -> None:
+        """An aborted request gives its host blocks back too."""
+        if self.swap_space is not None:
+            self.swap_space.discard(req.request_id)

@@ -1,0 +1,123 @@
+"""Preemption when KV memory runs out: recompute and swap lose nothing, leak
+nothing, and always make progress."""
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minibatch_engine import Engine, EngineConfig, SamplingParams, reference_generate
+from minibatch_engine.request import RequestStatus
+
+SIM = dict(sim_gpu="H100-SXM", sim_model="llama-3-8b")
+
+
+def config(mode, blocks, swap_blocks=8, block_size=4, **kw):
+    per_block = 0 if mode == "recompute" else swap_blocks
+    return dict(scheduler="continuous", kv_cache="paged", block_size=block_size, num_kv_blocks=blocks,
+                watermark=0.0, preemption_mode=mode, **kw), per_block
+
+
+def make_engine(model, mode, blocks, swap_blocks=8, block_size=4, **kw):
+    cfg, swap_blocks = config(mode, blocks, swap_blocks, block_size, **kw)
+    engine = Engine(model, EngineConfig(**cfg, **({} if model is not None else SIM)))
+    if mode == "swap":   # size the host pool in blocks of this engine's cache
+        engine2 = Engine(model, EngineConfig(**cfg, swap_space_bytes=swap_blocks * engine.kv_cache.pool.bytes_per_block,
+                                             **({} if model is not None else SIM)))
+        return engine2
+    return engine
+
+
+def assert_no_leaks(engine):
+    m = engine.kv_cache.manager
+    m.check_invariants()
+    assert m.num_used_blocks == 0 and not m.block_tables
+    if engine.swap_space is not None:
+        assert engine.swap_space.num_free_blocks == engine.swap_space.num_blocks
+        assert not engine.swap_space.tables
+
+
+@settings(max_examples=60, deadline=None)
+@given(lengths=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 40)), min_size=1, max_size=12),
+       blocks=st.integers(20, 40), mode=st.sampled_from(["recompute", "swap"]), swap_blocks=st.integers(0, 30),
+       B=st.integers(1, 8), budget=st.sampled_from([None, 8, 64]), victim=st.sampled_from(["latest", "most_blocks"]))
+def test_tiny_budgets_always_progress_and_free_everything(lengths, blocks, mode, swap_blocks, B, budget, victim):
+    engine = make_engine(None, mode, blocks, swap_blocks, max_num_seqs=B, max_model_len=80,
+                         max_num_batched_tokens=None if budget is None else max(budget, B),
+                         preemption_victim=victim)
+    reqs = [engine.add_request([1] * p, SamplingParams(max_tokens=g, ignore_eos=True)) for p, g in lengths]
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        assert steps < 20_000, "no progress"
+    assert [r.num_output_tokens for r in reqs] == [g for _, g in lengths]
+    assert all(r.status == RequestStatus.FINISHED for r in reqs)
+    assert_no_leaks(engine)
+
+
+@settings(max_examples=10, deadline=None)
+@given(lengths=st.lists(st.tuples(st.integers(1, 20), st.integers(1, 20)), min_size=2, max_size=6),
+       blocks=st.integers(10, 14), mode=st.sampled_from(["recompute", "swap"]), swap_blocks=st.integers(0, 12))
+def test_preempted_requests_keep_their_exact_tokens(tiny64, lengths, blocks, mode, swap_blocks):
+    torch.manual_seed(blocks * 7 + swap_blocks)
+    prompts = [torch.randint(0, 256, (p,)).tolist() for p, _ in lengths]
+    engine = make_engine(tiny64, mode, blocks, swap_blocks, max_num_seqs=4, max_model_len=64)
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=g, ignore_eos=True)) for p, (_, g) in zip(prompts, lengths)]
+    engine.run()
+    for r, p, (_, g) in zip(reqs, prompts, lengths):
+        assert r.output_token_ids == reference_generate(tiny64, p, g)
+    assert_no_leaks(engine)
+
+
+def test_swap_really_moves_kv_and_falls_back_to_recompute(tiny64):
+    prompts = [list(range(1 + i, 13 + i)) for i in range(4)]
+    ref = [reference_generate(tiny64, p, 20) for p in prompts]
+    for swap_blocks, expect_swaps in ((40, True), (0, False)):
+        engine = make_engine(tiny64, "swap", 20, swap_blocks, max_num_seqs=4, max_model_len=64)
+        reqs = [engine.add_request(p, SamplingParams(max_tokens=20, ignore_eos=True)) for p in prompts]
+        engine.run()
+        assert [r.output_token_ids for r in reqs] == ref
+        swaps = sum(r.num_swaps for r in reqs)
+        recomputed = sum(r.num_recomputed_tokens for r in reqs)
+        assert sum(r.num_preemptions for r in reqs) > 0
+        assert (swaps > 0) == expect_swaps and (recomputed > 0) != expect_swaps
+        if expect_swaps:
+            assert engine.swap_space.swapped_out_bytes == engine.swap_space.swapped_in_bytes > 0
+            assert sum(s.swap_bytes for s in engine.trace.steps) == 2 * engine.swap_space.swapped_out_bytes
+
+
+def test_abort_frees_blocks_wherever_the_request_is(tiny64):
+    engine = make_engine(tiny64, "swap", 12, 12, max_num_seqs=3, max_model_len=48)
+    reqs = [engine.add_request(list(range(1, 11)), SamplingParams(max_tokens=30, ignore_eos=True)) for _ in range(4)]
+    seen = set()
+    while engine.has_unfinished():
+        engine.step()
+        states = {r.request_id: ("swapped" if engine.swap_space.holds(r.request_id) else r.status.value)
+                  for r in reqs if not r.is_finished}
+        for rid, state in states.items():
+            if state not in seen and state in ("swapped", "preempted", "waiting", "running") and len(seen) < 4:
+                seen.add(state)
+                engine.abort(rid)
+                engine.kv_cache.manager.check_invariants()
+                assert not engine.kv_cache.holds(rid) and not engine.swap_space.holds(rid)
+                break
+    assert {"running", "swapped"} <= seen
+    assert_no_leaks(engine)
+    assert sum(r.finish_reason == "abort" for r in reqs) == len(seen)
+
+
+def test_swap_time_is_charged_on_the_sim_clock():
+    from minibatch_engine.model import get_preset
+    from minibatch_engine.sim import RooflineCostModel, get_gpu
+    cost = RooflineCostModel(get_gpu("H100-SXM"), get_preset("llama-3-8b"))
+    shapes = [(1, 100)] * 4
+    assert cost.step_time(shapes, swap_bytes=64e9) == pytest.approx(cost.step_time(shapes) + 1.0)
+
+
+def test_bad_preemption_settings():
+    with pytest.raises(ValueError, match="paged"):
+        EngineConfig(scheduler="continuous", preemption_mode="swap")
+    with pytest.raises(ValueError, match="preemption_mode"):
+        EngineConfig(scheduler="continuous", kv_cache="paged", preemption_mode="drop")
+    with pytest.raises(ValueError, match="victim"):
+        Engine(None, EngineConfig(scheduler="continuous", kv_cache="paged", preemption_victim="random", **SIM))
