@@ -27,6 +27,9 @@ COLORS = {
     "slot": "#8C8C8C",         # grey: slot KV cache
     "compute": "#4C72B0",
     "memory": "#DD8452",
+    "waiting": "#DDDDDD",      # grey: queued, not yet started
+    "preempted": "#C44E52",    # red: KV memory taken back (recompute)
+    "swapped": "#8172B2",      # purple: KV blocks in host memory
     "chunked": "#55A868",      # green: chunked prefill
     "unchunked": "#C44E52",    # red: whole prompts (the stall)
 }
@@ -265,6 +268,45 @@ def itl_timeline(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], 
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.legend()
+    if title:
+        ax.set_title(title)
+    return fig
+
+
+def request_timeline(trace, request_ids: Sequence[str], arrival_steps: Mapping[str, int] | None = None,
+                     ax=None, title: str | None = None, figsize=(8, 4)):
+    """One row per request, one column per step: waiting, prefill (or recompute),
+    decode, and the stretches spent preempted (to recompute) or swapped out."""
+    kinds = ["none", "waiting", "prefill", "decode", "preempted", "swapped"]
+    row = {rid: i for i, rid in enumerate(request_ids)}
+    arrivals = arrival_steps or {rid: 0 for rid in request_ids}
+    grid = np.zeros((len(request_ids), max(len(trace), 1)), dtype=int)
+    state: dict[str, str | None] = {rid: None for rid in request_ids}
+    for j, step in enumerate(trace.steps):
+        for rid, a in arrivals.items():
+            if a == j and rid in row:
+                state[rid] = "waiting"
+        for rid, how in step.preempted:          # taken in this step's scheduling
+            if rid in row:
+                state[rid] = "preempted" if how == "recompute" else "swapped"
+        ran = {lane.request_id: lane.kind for lane in step.lanes
+               if lane.request_id in row and lane.kind != "pad"}
+        for rid in request_ids:
+            if rid in ran:
+                grid[row[rid], j] = kinds.index(ran[rid])
+                state[rid] = None
+            elif state[rid] is not None:
+                grid[row[rid], j] = kinds.index(state[rid])
+    fig, ax = _axes(ax, figsize)
+    colors = ["#FFFFFF", COLORS["waiting"], COLORS["prefill"], COLORS["decode"], COLORS["preempted"],
+              COLORS["swapped"]]
+    ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=ListedColormap(colors), vmin=0,
+              vmax=len(kinds) - 1, extent=(-0.5, grid.shape[1] - 0.5, grid.shape[0] - 0.5, -0.5))
+    ax.set_xlabel("engine step")
+    ax.set_ylabel("request")
+    ax.grid(False)
+    ax.legend(handles=[Patch(color=c, label=k) for k, c in zip(kinds[1:], colors[1:])],
+              loc="upper left", bbox_to_anchor=(1.0, 1.0))
     if title:
         ax.set_title(title)
     return fig
