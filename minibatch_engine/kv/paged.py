@@ -13,10 +13,11 @@ from typing import Sequence
 import torch
 
 from .block_manager import BlockManager
+from .base import KVCacheManager
 from .pool import KVPool
 
 
-class PagedKVCache:
+class PagedKVCache(KVCacheManager):
     """``num_blocks`` blocks of ``block_size`` tokens, handed out on demand."""
 
     def __init__(self, model_config, num_blocks: int, block_size: int = 16,
@@ -100,18 +101,7 @@ class PagedKVCache:
     def holds(self, request_id: str) -> bool:
         return request_id in self.manager.block_tables
 
-    def layer(self, i: int):
-        return self.pool.layer(i)
-
     # --- memory accounting -------------------------------------------------------
-    @property
-    def bytes_per_token(self) -> int:
-        return self.pool.bytes_per_token
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self.pool.allocated_bytes
-
     @property
     def reserved_bytes(self) -> int:
         """Bytes of the blocks some request holds now."""

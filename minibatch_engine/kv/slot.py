@@ -9,10 +9,11 @@ from __future__ import annotations
 
 import torch
 
+from .base import KVCacheManager
 from .pool import KVPool
 
 
-class SlotKVCache:
+class SlotKVCache(KVCacheManager):
     """A fixed number of slots, each a reservation of ``max_model_len`` tokens."""
 
     def __init__(self, model_config, num_slots: int, max_model_len: int,
@@ -83,19 +84,7 @@ class SlotKVCache:
     def block_table(self, request_id: str) -> list[int]:
         return [self.slot_of[request_id]]
 
-    def layer(self, i: int):
-        return self.pool.layer(i)
-
     # --- memory accounting -------------------------------------------------------
-    @property
-    def bytes_per_token(self) -> int:
-        return self.pool.bytes_per_token
-
-    @property
-    def capacity_bytes(self) -> int:
-        """The whole pool: what the cache took from device memory."""
-        return self.pool.allocated_bytes
-
     @property
     def reserved_bytes(self) -> int:
         """Bytes reserved by the requests that hold a slot now."""

@@ -3,8 +3,10 @@
 When the GPU's block pool runs dry, a preempted request's blocks can be copied
 to host memory instead of being thrown away, and copied back into free GPU
 blocks when memory returns (vLLM's swap preemption). On CUDA the host pool is
-pinned, so the copies can run asynchronously over PCIe. The pool is bounded:
-when it is full, the scheduler falls back to recomputation.
+pinned memory, so transfers run at full PCIe speed; this reference
+implementation waits for each copy (the device-to-host copy must land before
+the GPU blocks are reused). The pool is bounded: when it is full, the scheduler
+falls back to recomputation.
 """
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ class SwapSpace:
         if gpu_blocks:
             src = torch.tensor(gpu_blocks, device=gpu_pool.kv.device)
             dst = torch.tensor(host, device=self.pool.kv.device)
-            self.pool.kv[:, :, dst] = gpu_pool.kv[:, :, src].to(self.pool.kv.device, non_blocking=True)
+            self.pool.kv[:, :, dst] = gpu_pool.kv[:, :, src].to(self.pool.kv.device)
         nbytes = len(gpu_blocks) * gpu_pool.bytes_per_block
         self.swapped_out_bytes += nbytes
         return nbytes
@@ -56,7 +58,7 @@ class SwapSpace:
         if host:
             src = torch.tensor(host, device=self.pool.kv.device)
             dst = torch.tensor(gpu_blocks, device=gpu_pool.kv.device)
-            gpu_pool.kv[:, :, dst] = self.pool.kv[:, :, src].to(gpu_pool.kv.device, non_blocking=True)
+            gpu_pool.kv[:, :, dst] = self.pool.kv[:, :, src].to(gpu_pool.kv.device)
         self.free.extend(host)
         nbytes = len(host) * gpu_pool.bytes_per_block
         self.swapped_in_bytes += nbytes
