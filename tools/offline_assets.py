@@ -67,7 +67,7 @@ ASSETS: dict[str, tuple[str, list[str]]] = {
 }
 
 #: our own small scripts and styles, committed under book/site/
-OWN_FILES = {"html-manager": ["widgets-setup.js"]}
+OWN_FILES = {"html-manager": ["widgets-setup.js"], "book": ["book.css"]}
 
 
 def _copy_file(src: Path, dst: Path) -> None:
