@@ -11,10 +11,10 @@ from minibatch_engine.request import RequestStatus
 SIM = dict(sim_gpu="H100-SXM", sim_model="llama-3-8b")
 
 
-def config(mode, blocks, swap_blocks=8, block_size=4, **kw):
+def config(mode, blocks, swap_blocks=8, block_size=4, watermark=0.0, **kw):
     per_block = 0 if mode == "recompute" else swap_blocks
     return dict(scheduler="continuous", kv_cache="paged", block_size=block_size, num_kv_blocks=blocks,
-                watermark=0.0, preemption_mode=mode, **kw), per_block
+                watermark=watermark, preemption_mode=mode, **kw), per_block
 
 
 def make_engine(model, mode, blocks, swap_blocks=8, block_size=4, **kw):
@@ -104,6 +104,21 @@ def test_abort_frees_blocks_wherever_the_request_is(tiny64):
     assert {"running", "swapped"} <= seen
     assert_no_leaks(engine)
     assert sum(r.finish_reason == "abort" for r in reqs) == len(seen)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_a_request_as_large_as_the_pool_still_finishes(mode):
+    """Admission watermark and swap-in headroom must not lock out a request that
+    needs every block once it is alone."""
+    engine = make_engine(None, mode, 25, 25, max_num_seqs=4, max_model_len=100, watermark=0.2)
+    big = engine.add_request([1] * 60, SamplingParams(max_tokens=40, ignore_eos=True))   # 100 tokens = 25 blocks
+    small = [engine.add_request([2] * 8, SamplingParams(max_tokens=30, ignore_eos=True)) for _ in range(3)]
+    for _ in range(5000):
+        if not engine.has_unfinished():
+            break
+        engine.step()
+    assert big.num_output_tokens == 40 and all(r.num_output_tokens == 30 for r in small)
+    assert_no_leaks(engine)
 
 
 def test_swap_time_is_charged_on_the_sim_clock():

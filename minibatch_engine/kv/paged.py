@@ -41,9 +41,6 @@ class PagedKVCache(KVCacheManager):
     def max_tokens_per_request(self) -> int:
         return self.num_blocks * self.block_size
 
-    def can_allocate(self, request_id: str, num_tokens: int) -> bool:
-        return self.manager.num_new_blocks(request_id, num_tokens) <= self.manager.num_free_blocks
-
     def allocate(self, request_id: str, num_tokens: int, num_computed_tokens: int = 0,
                  admit: bool = False) -> bool:
         """Make room for ``num_tokens`` tokens; tokens from ``num_computed_tokens`` on

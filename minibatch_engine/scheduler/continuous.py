@@ -107,7 +107,7 @@ class ContinuousScheduler(Scheduler):
         # 2. Swapped-out requests come back first, when memory allows (and nobody
         #    was preempted this step, which would only swap them out again).
         while self.swapped and not out.preempted and budget > 0 and len(self.running) < self.max_num_seqs \
-                and self.preemptor.can_swap_in(self.swapped[0]):
+                and self.preemptor.can_swap_in(self.swapped[0], bool(self.running)):
             req = self.swapped.popleft()
             self.preemptor.swap_in(req)
             n = self._grant(req, budget)

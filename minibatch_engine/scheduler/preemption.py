@@ -51,10 +51,12 @@ class Preemptor:
         victim.num_computed_tokens = 0
         return "recompute"
 
-    def can_swap_in(self, req: Request) -> bool:
-        # room for its blocks plus one for the next token, and the admission watermark
-        return self.kv_cache.can_swap_in(self.swap_space, req.request_id,
-                                         1 + self.kv_cache.watermark_blocks)
+    def can_swap_in(self, req: Request, others_running: bool) -> bool:
+        """Room for its blocks; while others run, also for its next token and the
+        admission watermark (alone, it may take the whole pool, or it could never
+        come back)."""
+        extra = 1 + self.kv_cache.watermark_blocks if others_running else 0
+        return self.kv_cache.can_swap_in(self.swap_space, req.request_id, extra)
 
     def swap_in(self, req: Request) -> None:
         self.step_swap_bytes += self.kv_cache.swap_in(req.request_id, self.swap_space, req.all_token_ids,
