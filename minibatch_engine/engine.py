@@ -150,7 +150,7 @@ class Engine:
 
     def _make_kv_cache(self, dtype, device):
         cfg, mc = self.config, self.model_config
-        per_token = mc.num_layers * 2 * mc.num_kv_heads * mc.head_dim * torch.empty(0, dtype=dtype).element_size()
+        per_token = mc.kv_bytes_per_token(torch.empty(0, dtype=dtype).element_size())
         budget = cfg.kv_budget_bytes
         if cfg.kv_cache == "slot":
             slots = cfg.max_num_seqs if budget is None else min(cfg.max_num_seqs, budget // (per_token * self.max_model_len))

@@ -48,6 +48,13 @@ class StepRecord:
         return self.computed_tokens - self.useful_tokens
 
     @property
+    def kv_fragmentation_bytes(self) -> int:
+        """Reserved KV bytes that hold no token: for a paged cache, the unused
+        tails of last blocks (internal fragmentation); for a slot cache, the
+        empty rest of every reservation."""
+        return self.kv_reserved_bytes - self.kv_used_bytes
+
+    @property
     def wall_dt(self) -> float:
         return self.wall_end - self.wall_start
 

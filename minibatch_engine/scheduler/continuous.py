@@ -31,6 +31,21 @@ from .base import ScheduledRequest, Scheduler, SchedulerOutput
 from .preemption import Preemptor
 
 
+class _Step:
+    """What one call of ``schedule`` has handed out so far."""
+
+    def __init__(self, budget: int | None):
+        self.out = SchedulerOutput()
+        self.budget = budget if budget is not None else float("inf")
+        self.granted: dict[int, int] = {}      # id(request) -> tokens this step
+        self.partial = 0                       # prompts whose prefill spans steps
+
+    def grant(self, req: Request, n: int, spans: bool) -> None:
+        self.granted[id(req)] = n
+        self.budget -= n
+        self.partial += spans
+
+
 class ContinuousScheduler(Scheduler):
     name = "continuous"
 
@@ -74,64 +89,69 @@ class ContinuousScheduler(Scheduler):
         return budget if self.enable_chunked_prefill else 0
 
     def schedule(self) -> SchedulerOutput:
-        out = SchedulerOutput()
-        budget = self.max_num_batched_tokens if self.max_num_batched_tokens is not None else float("inf")
-        partial = 0      # prefills that span steps (in progress, or starting a chunk now)
-        # 1. Running requests in arrival order: decode tokens first, then the
-        #    prefills (or chunks) of requests part-way through their prompt.
-        #    A request that cannot get KV blocks takes them from the latest arrival.
-        granted: dict[int, int] = {}
+        """One step: running requests first (decode tokens, then prefill chunks),
+        then swapped-out requests, then newcomers, within the token budget."""
+        step = _Step(self.max_num_batched_tokens)
+        self._schedule_running(step)
+        self._schedule_swapped(step)
+        self._schedule_waiting(step)
+        step.out.swap_bytes, self.preemptor.step_swap_bytes = self.preemptor.step_swap_bytes, 0
+        return step.out
+
+    def _schedule_running(self, step: "_Step") -> None:
+        """Decode tokens first, then the prompts (or chunks) of requests part-way
+        through their prefill. A request that cannot get KV blocks takes them
+        from a victim (by default the latest arrival)."""
         for decode_pass in (True, False):
             i = 0
             while i < len(self.running):
                 req = self.running[i]
                 remaining = req.num_tokens - req.num_computed_tokens
                 decoding = remaining == 1 and req.num_computed_tokens >= req.num_prompt_tokens
-                n = 0 if decoding != decode_pass or id(req) in granted else self._grant(req, budget)
+                n = 0 if decoding != decode_pass or id(req) in step.granted else self._grant(req, step.budget)
                 spans = not decode_pass and n > 0 and (n < remaining or req.num_computed_tokens > 0)
-                if n == 0 or (spans and partial >= self.max_num_partial_prefills):
+                if n == 0 or (spans and step.partial >= self.max_num_partial_prefills):
                     i += 1
                     continue
                 if self.kv_cache.allocate(req.request_id, req.num_computed_tokens + n, req.num_computed_tokens):
-                    granted[id(req)] = n
-                    budget -= n
-                    partial += spans
+                    step.grant(req, n, spans)
                     i += 1
                 else:
                     victim = self.preemptor.pick_victim(self.running)
                     if self.running.index(victim) < i:
                         i -= 1
-                    out.preempted.append((victim.request_id, self._preempt(victim)))
-                    budget += granted.pop(id(victim), 0)
-        out.scheduled = [ScheduledRequest(r, granted[id(r)]) for r in self.running if id(r) in granted]
-        # 2. Swapped-out requests come back first, when memory allows (and nobody
-        #    was preempted this step, which would only swap them out again).
-        while self.swapped and not out.preempted and budget > 0 and len(self.running) < self.max_num_seqs \
+                    step.out.preempted.append((victim.request_id, self._preempt(victim)))
+                    step.budget += step.granted.pop(id(victim), 0)
+        step.out.scheduled = [ScheduledRequest(r, step.granted[id(r)]) for r in self.running
+                              if id(r) in step.granted]
+
+    def _schedule_swapped(self, step: "_Step") -> None:
+        """Swapped-out requests come back first, when memory allows (and nobody was
+        preempted this step, which would only swap them out again)."""
+        while self.swapped and not step.out.preempted and step.budget > 0 \
+                and len(self.running) < self.max_num_seqs \
                 and self.preemptor.can_swap_in(self.swapped[0], bool(self.running)):
             req = self.swapped.popleft()
             self.preemptor.swap_in(req)
-            n = self._grant(req, budget)
             self.running.append(req)
+            n = self._grant(req, step.budget)
             if n and self.kv_cache.allocate(req.request_id, req.num_computed_tokens + n, req.num_computed_tokens):
-                granted[id(req)] = n
-                budget -= n
-                partial += n > 1
-                out.scheduled.append(ScheduledRequest(req, n))
-        # 3. Free places are refilled from the queue, in arrival order, this very step.
-        while not self.swapped and self.waiting and budget > 0 and \
+                step.grant(req, n, n > 1)
+                step.out.scheduled.append(ScheduledRequest(req, n))
+
+    def _schedule_waiting(self, step: "_Step") -> None:
+        """Free places are refilled from the queue, in arrival order, this very step."""
+        while not self.swapped and self.waiting and step.budget > 0 and \
                 len(self.running) + self.waiting[0].sampling_params.n <= self.max_num_seqs:
             req = self.waiting[0]
-            n = self._admit(req, budget, allow_partial=partial < self.max_num_partial_prefills)
+            n = self._admit(req, step.budget, allow_partial=step.partial < self.max_num_partial_prefills)
             if n == 0:
                 break                       # no KV memory or budget: wait, first come first served
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            partial += n < req.num_tokens - req.num_computed_tokens
-            budget -= n
-            out.scheduled.append(ScheduledRequest(req, n))
-        out.swap_bytes, self.preemptor.step_swap_bytes = self.preemptor.step_swap_bytes, 0
-        return out
+            step.grant(req, n, n < req.num_tokens - req.num_computed_tokens)
+            step.out.scheduled.append(ScheduledRequest(req, n))
 
     def _admit(self, req: Request, budget, allow_partial: bool) -> int:
         """Reuse cached prefix blocks, then take blocks for what this step computes
