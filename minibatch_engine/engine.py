@@ -130,14 +130,11 @@ class Engine:
         if cfg.preemption_mode == "swap":
             self.swap_space = SwapSpace(self.model_config, cfg.swap_space_bytes // self.kv_cache.pool.bytes_per_block,
                                         cfg.block_size, dtype, device.type)
-        options = {} if cfg.scheduler == "static" and cfg.max_num_batched_tokens is None else dict(
+        self.scheduler = make_scheduler(
+            cfg.scheduler, self.kv_cache, cfg.max_num_seqs, self.max_model_len,
             max_num_batched_tokens=cfg.max_num_batched_tokens, enable_chunked_prefill=cfg.enable_chunked_prefill,
-            max_num_partial_prefills=cfg.max_num_partial_prefills)
-        if cfg.scheduler != "static":
-            options["preemptor"] = Preemptor(self.kv_cache, cfg.preemption_mode, self.swap_space,
-                                             cfg.preemption_victim)
-        self.scheduler = make_scheduler(cfg.scheduler, self.kv_cache, cfg.max_num_seqs, self.max_model_len,
-                                        **options)
+            max_num_partial_prefills=cfg.max_num_partial_prefills,
+            preemptor=Preemptor(self.kv_cache, cfg.preemption_mode, self.swap_space, cfg.preemption_victim))
         self.executor: Executor = TorchExecutor(model, self.kv_cache) if model is not None else SimExecutor()
         self.cost_model = (RooflineCostModel(get_gpu(cfg.sim_gpu), sim_cfg, step_overhead_s=cfg.step_overhead_s)
                            if cfg.sim_gpu else None)
@@ -169,15 +166,12 @@ class Engine:
                             enable_prefix_caching=cfg.enable_prefix_caching, watermark=cfg.watermark)
 
     # --- clocks ------------------------------------------------------------------
-    @property
-    def clock(self) -> str:
-        """The clock arrivals are given in: ``sim`` with a cost model, else ``wall``."""
-        return "sim" if self.cost_model is not None else "wall"
-
     def wall_now(self) -> float:
         return time.perf_counter() - self._t0
 
     def now(self) -> float:
+        """The engine's clock, in which arrival times are given: simulated seconds
+        with a cost model, else wall seconds since the engine started."""
         return self.sim_now if self.cost_model is not None else self.wall_now()
 
     # --- requests ----------------------------------------------------------------

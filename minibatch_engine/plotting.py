@@ -123,22 +123,6 @@ def lines(x, ys: Mapping[str, Sequence[float]], xlabel: str, ylabel: str, ax=Non
     return fig
 
 
-def stacked_bars(labels: Sequence[str], parts: Mapping[str, Sequence[float]], ylabel: str, ax=None,
-                 title: str | None = None, figsize=(5, 3.2)):
-    """Bars split into named parts (e.g. useful and wasted tokens)."""
-    fig, ax = _axes(ax, figsize)
-    bottom = np.zeros(len(labels))
-    for name, vals in parts.items():
-        vals = np.asarray(vals, dtype=float)
-        ax.bar(labels, vals, bottom=bottom, label=name, color=COLORS.get(name))
-        bottom += vals
-    ax.set_ylabel(ylabel)
-    ax.legend()
-    if title:
-        ax.set_title(title)
-    return fig
-
-
 def roofline(gpu, points: Mapping[str, float] | None = None, ax=None, title: str | None = None,
              figsize=(5.5, 3.5)):
     """The roofline of ``gpu`` (attainable FLOP/s against arithmetic intensity),

@@ -51,10 +51,6 @@ class AttentionMetadata:
     def num_seqs(self) -> int:
         return int(self.query_lens.numel())
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.query_start_loc[-1])
-
     @classmethod
     def build(cls, query_lens: Sequence[int], seq_lens: Sequence[int],
               block_tables: Sequence[Sequence[int]] | None = None,

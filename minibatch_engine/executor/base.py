@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..request import Request
 from ..scheduler.base import SchedulerOutput
 
 
@@ -15,9 +16,10 @@ class ExecutorOutput:
     sample_s: float = 0.0       # wall seconds in sampling (and the copy to host)
 
 
-def requests_to_sample(sched: SchedulerOutput):
-    """Scheduled requests whose step computes their last known token: they sample."""
-    return [s.request for s in sched.scheduled
+def sampling_rows(sched: SchedulerOutput) -> list[tuple[int, Request]]:
+    """(row in the step's logits, request) for every scheduled request whose step
+    computes its last known token: those sample a new one."""
+    return [(i, s.request) for i, s in enumerate(sched.scheduled)
             if s.request.num_computed_tokens + s.num_tokens == s.request.num_tokens]
 
 

@@ -4,7 +4,7 @@ an H100) on a laptop; the time comes from the engine's cost model."""
 from __future__ import annotations
 
 from ..scheduler.base import SchedulerOutput
-from .base import Executor, ExecutorOutput, needs_fork, requests_to_sample
+from .base import Executor, ExecutorOutput, needs_fork, sampling_rows
 
 
 class SimExecutor(Executor):
@@ -12,6 +12,6 @@ class SimExecutor(Executor):
         self.token_id = token_id
 
     def execute(self, sched: SchedulerOutput) -> ExecutorOutput:
-        reqs = requests_to_sample(sched)
+        reqs = [r for _, r in sampling_rows(sched)]
         forks = {r.request_id: [(self.token_id, None)] * (r.sampling_params.n - 1) for r in reqs if needs_fork(r)}
         return ExecutorOutput(sampled={r.request_id: self.token_id for r in reqs}, forks=forks)

@@ -16,7 +16,7 @@ from ..attention import AttentionMetadata
 from ..model.config import PAD_ID
 from ..sampling import sample
 from ..scheduler.base import SchedulerOutput
-from .base import Executor, ExecutorOutput, needs_fork, requests_to_sample
+from .base import Executor, ExecutorOutput, needs_fork, sampling_rows
 
 
 class TorchExecutor(Executor):
@@ -73,9 +73,9 @@ class TorchExecutor(Executor):
         logits = self.model(input_ids, positions, meta, self.kv_cache)
         self._sync()
         t1 = time.perf_counter()
-        to_sample = requests_to_sample(sched)
-        if to_sample:
-            rows = [i for i, s in enumerate(sched.scheduled) if s.request in to_sample]
+        picks = sampling_rows(sched)
+        if picks:
+            rows, to_sample = [i for i, _ in picks], [r for _, r in picks]
             for r in to_sample:
                 if r.generator is None and r.sampling_params.seed is not None:
                     r.generator = self._generator(r.sampling_params.seed)

@@ -8,7 +8,8 @@ SCHEDULERS = {"static": StaticScheduler, "continuous": ContinuousScheduler}
 
 def make_scheduler(name: str, kv_cache, max_num_seqs: int, max_model_len: int, **options) -> Scheduler:
     """Build a scheduler by name (``static`` or ``continuous``). ``options`` go to
-    the continuous scheduler (token budget, chunked prefill)."""
+    the continuous scheduler (token budget, chunked prefill, preemptor); static
+    batching takes none of them."""
     if name not in SCHEDULERS:
         raise ValueError(f"unknown scheduler {name!r}; choose one of {sorted(SCHEDULERS)}")
     if name == "static":
