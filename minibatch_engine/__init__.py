@@ -3,7 +3,8 @@
 Front doors: ``LLM(model).generate(prompts, SamplingParams(...))`` and
 ``python -m minibatch_engine {generate,bench,simulate}``.
 """
-from .engine import Engine, EngineConfig
+from .config import EngineConfig
+from .engine import Engine
 from .llm import LLM, RequestOutput
 from .model import ModelConfig, build_model, get_preset, load_model, reference_generate
 from .request import Request, RequestStatus

@@ -7,7 +7,8 @@ import json
 import numpy as np
 from tqdm.auto import tqdm
 
-from .engine import Engine, EngineConfig
+from .config import EngineConfig
+from .engine import Engine
 from .metrics import percentiles, request_metrics
 from .workload import make_workload
 
@@ -27,8 +28,8 @@ def summarize(engine: Engine, requests) -> dict:
         "wall_seconds": wall,
         "output_tokens_per_second": out_tokens / wall if wall > 0 else float("nan"),
         "peak_running": int(trace.column("num_running").max()) if len(trace) else 0,
-        # mean share of the batch's slots computing a live request's tokens
-        "slot_utilization": float(trace.column("num_running").mean()) / engine.config.max_num_seqs
+        # mean share of the batch's max_num_seqs places computing a live request's tokens
+        "batch_utilization": float(trace.column("num_running").mean()) / engine.config.max_num_seqs
         if len(trace) else float("nan"),
         "kv_cache": engine.config.kv_cache,
         "kv_capacity_bytes": engine.kv_cache.capacity_bytes,
@@ -39,6 +40,7 @@ def summarize(engine: Engine, requests) -> dict:
         "swapped_bytes": sum(st.swap_bytes for st in trace.steps),
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "chunked_prefill": engine.config.enable_chunked_prefill and engine.config.max_num_batched_tokens is not None,
+        "kv_blocks": engine.kv_cache.num_blocks,
     }
     if engine.cost_model is not None:
         s["sim_seconds"] = trace.end_time("sim")
@@ -68,14 +70,15 @@ def summarize(engine: Engine, requests) -> dict:
 def warmup(model, steps: int = 4) -> None:
     """A few throwaway steps so first-call costs do not land in a timed run."""
     from .sampling import SamplingParams
-    eng = Engine(model, EngineConfig(max_num_seqs=2, max_model_len=64))
+    eng = Engine(model, EngineConfig(max_num_seqs=2, max_model_len=64, kv_cache="reserved",
+                                     max_num_batched_tokens=None))
     for i in range(2):
         eng.add_request([1] * 16, SamplingParams(max_tokens=steps, ignore_eos=True))
     eng.run()
 
 
-def run_bench(scheduler: str = "static", workload: str = "uniform", num_requests: int = 64,
-              max_batch: int = 16, seed: int = 0, model="tiny", sim_gpu: str | None = None,
+def run_bench(scheduler: str = "continuous", workload: str = "uniform", num_requests: int = 64,
+              max_batch: int = 256, seed: int = 0, model="tiny", sim_gpu: str | None = None,
               sim_model: str | None = None, max_model_len: int | None = None,
               arrival_rate: float | None = None, device: str = "auto", dtype: str = "float32",
               progress: bool = True, simulate_only: bool = False, **engine_options) -> tuple[dict, Engine]:
@@ -83,44 +86,95 @@ def run_bench(scheduler: str = "static", workload: str = "uniform", num_requests
     model at all (``sim_gpu`` and ``sim_model`` required). ``engine_options`` are
     further :class:`EngineConfig` fields (``kv_cache``, ``kv_budget_bytes``,
     ``block_size``, ``max_num_batched_tokens``, ``preemption_mode``, ...)."""
+    cfg = EngineConfig().with_overrides(scheduler=scheduler, max_num_seqs=max_batch, max_model_len=max_model_len,
+                                        sim_gpu=sim_gpu, sim_model=sim_model, **engine_options)
     if simulate_only:
         m, vocab = None, 256
     else:
-        from .model import Transformer, build_model
-        if isinstance(model, Transformer):
-            m = model
-        elif model == "tiny":
-            m = build_model("tiny", device=device, dtype=dtype)
-        else:
-            from .model.loader import load_model
-            m = load_model(model, device=device, dtype=dtype)
+        from .model.registry import resolve_model
+        m = resolve_model(model, device=device, dtype=dtype)
+        cfg.resolve(m.config)           # refuse a bad configuration before the warm-up
         vocab = min(256, m.config.vocab_size)
         warmup(m)
-    cfg = EngineConfig(scheduler=scheduler, max_num_seqs=max_batch, max_model_len=max_model_len,
-                       sim_gpu=sim_gpu, sim_model=sim_model, **engine_options)
     engine = Engine(m, cfg)
     specs = make_workload(workload, num_requests, seed=seed, vocab_size=vocab, arrival_rate=arrival_rate)
     reqs = [engine.add_request(s.prompt_token_ids, s.sampling_params(), arrival_time=s.arrival_time)
             for s in specs]
-    with tqdm(total=len(reqs), desc=f"bench {scheduler}", disable=not progress, leave=False) as bar:
+    with tqdm(total=len(reqs), desc=f"{'simulate' if simulate_only else 'bench'} {scheduler}",
+              unit="req", disable=not progress, leave=False) as bar:
         engine.run(progress=bar.update)
     summary = {"scheduler": scheduler, "workload": workload, "num_requests": num_requests,
                "max_batch": max_batch, "seed": seed, "sim_gpu": sim_gpu,
                "sim_model": sim_model if sim_gpu else None,
-               "model": "tiny" if m is None or not isinstance(model, str) else model}
+               "model": None if m is None else (model if isinstance(model, str) else m.config.name)}
     summary.update(summarize(engine, reqs))
     return summary, engine
 
 
-def format_table(summary: dict) -> str:
-    """The summary as an aligned two-column table."""
-    rows = []
-    for k, v in summary.items():
-        if isinstance(v, float):
-            v = f"{v:.4g}" if np.isfinite(v) else "nan"
-        rows.append((k, "-" if v is None else str(v)))
-    width = max(len(k) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+def _fmt(v, unit: str = "") -> str:
+    if v is None or (isinstance(v, float) and not np.isfinite(v)):
+        return "n/a"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if isinstance(v, int):
+        return f"{v:,}{unit}"
+    if abs(v) >= 100:
+        return f"{v:,.0f}{unit}"
+    return f"{v:.3g}{unit}"
+
+
+def _bytes(n) -> str:
+    if n is None:
+        return "n/a"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:,.1f} {unit}"
+    return f"{n} B"
+
+
+def format_report(summary: dict, simulated: bool = False) -> str:
+    """The summary as a short grouped table a person reads (every key is in the
+    JSON). Latencies name their clock: simulated seconds, or wall seconds."""
+    s = summary
+    clock = "sim_seconds" if simulated or s.get("sim_seconds") is not None else "seconds"
+    clock_name = f"simulated {s.get('sim_gpu')}" if clock == "sim_seconds" else "wall clock"
+    tput = s.get("sim_output_tokens_per_second") if clock == "sim_seconds" else s.get("output_tokens_per_second")
+    ms = lambda k: None if s.get(k) is None else s[k] * 1e3   # noqa: E731
+    model = s.get("sim_model") if simulated else s.get("model")
+    groups = [
+        ("workload", [
+            ("model", str(model)), ("workload", f"{s['workload']}, {s['num_requests']} requests, seed {s['seed']}"),
+            ("scheduler", f"{s['scheduler']}, max {s['max_batch']} sequences, token budget "
+                          f"{_fmt(s.get('max_num_batched_tokens'))}"
+                          f"{', chunked prefill' if s.get('chunked_prefill') else ''}"),
+            ("finished", f"{_fmt(s['finished_requests'])} requests, {_fmt(s['output_tokens'])} output tokens, "
+                         f"{_fmt(s['steps'])} steps")]),
+        (f"throughput ({clock_name})", [
+            ("output tokens/s", _fmt(tput)),
+            ("batch efficiency η", _fmt(s.get("eta"))),
+            ("mean batch utilization", _fmt(s.get("batch_utilization")))]),
+        (f"latency ({clock_name}, p50 / p99)", [
+            ("TTFT", f"{_fmt(ms(f'ttft_{clock}_p50'))} / {_fmt(ms(f'ttft_{clock}_p99'))} ms"),
+            ("ITL", f"{_fmt(ms(f'itl_{clock}_p50'))} / {_fmt(ms(f'itl_{clock}_p99'))} ms"),
+            ("end to end", f"{_fmt(ms(f'e2e_{clock}_p50'))} / {_fmt(ms(f'e2e_{clock}_p99'))} ms")]),
+        ("KV memory", [
+            ("cache", f"{s['kv_cache']}, {_bytes(s.get('kv_capacity_bytes'))} in {_fmt(s.get('kv_blocks'))} "
+                      f"{'rows' if s['kv_cache'] == 'reserved' else 'blocks'}"),
+            ("utilization (mean)", _fmt(s.get("kv_utilization"))),
+            ("prefix-cache hits", f"{_fmt(s.get('prefix_cache_hit_tokens'))} tokens")]),
+        ("preemption", [
+            ("preemptions", _fmt(s.get("preemptions"))),
+            ("recomputed tokens", _fmt(s.get("recomputed_tokens"))),
+            ("swapped", _bytes(s.get("swapped_bytes")))]),
+    ]
+    if not simulated and np.isfinite(s.get("overhead_fraction", float("nan"))):
+        groups[1][1].append(("engine overhead", f"{s['overhead_fraction']:.1%} of step time"))
+    width = max(len(k) for _, rows in groups for k, _ in rows)
+    lines = []
+    for title, rows in groups:
+        lines.append(title)
+        lines += [f"  {k:<{width}}  {v}" for k, v in rows]
+    return "\n".join(lines)
 
 
 def write_json(summary: dict, path: str) -> None:

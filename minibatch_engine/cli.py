@@ -1,75 +1,102 @@
-"""``python -m minibatch_engine {generate,bench,simulate}``."""
+"""``python -m minibatch_engine {generate,bench,simulate}`` (also ``minibatch-engine``).
+
+Every user error (a bad option value, a missing checkpoint, an impossible
+configuration) prints ``error: ...`` and exits with status 2.
+"""
 from __future__ import annotations
 
 import argparse
 import sys
 
+from .config import KV_CACHES, PREEMPTION_MODES, SCHEDULER_NAMES
 from .model.config import PRESETS
-from .scheduler import SCHEDULERS
 from .sim import GPUS
 from .workload import WORKLOADS
 
+FORMATTER = argparse.ArgumentDefaultsHelpFormatter
+
+
+def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny",
+                   help="'tiny' (built-in, seeded random weights) or a Hugging Face checkpoint directory")
+    p.add_argument("--device", default="auto", help="'auto' (CUDA when present), 'cpu' or 'cuda'")
+    p.add_argument("--dtype", default="float32", help="float32, float16, bfloat16 or float64")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
 
 def _bench_args(p: argparse.ArgumentParser, simulate: bool) -> None:
-    p.add_argument("--scheduler", choices=sorted(SCHEDULERS), default="static")
-    p.add_argument("--workload", choices=sorted(WORKLOADS), default="uniform")
-    p.add_argument("--num-requests", type=int, default=64)
-    p.add_argument("--max-batch", type=int, default=16, help="max requests per batch (max_num_seqs)")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--arrival-rate", type=float, default=None, help="Poisson arrivals, requests/s")
+    p.add_argument("--scheduler", choices=SCHEDULER_NAMES, default="continuous",
+                   help="static (padded batches) or continuous (iteration-level)")
+    p.add_argument("--workload", choices=sorted(WORKLOADS), default="uniform",
+                   help="prompt/output length distribution")
+    p.add_argument("--num-requests", type=int, default=64, help="requests in the workload")
+    p.add_argument("--max-batch", type=int, default=256, help="most sequences per step (max_num_seqs)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output (default: min(model max_position, 1024))")
+    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--arrival-rate", type=float, default=None,
+                   help="Poisson arrivals in requests/s (default: all at time 0)")
     gpus = [g.name for g in GPUS.values()]
-    p.add_argument("--sim-gpu", choices=gpus, default="H100-SXM" if simulate else None)
-    p.add_argument("--sim-model", choices=sorted(PRESETS), default="llama-3-8b" if simulate else None)
-    p.add_argument("--kv", choices=["slot", "paged"], default="slot", help="KV cache layout")
+    p.add_argument("--sim-gpu", choices=gpus, default="H100-SXM" if simulate else None,
+                   help="time every step with the roofline model of this GPU")
+    p.add_argument("--sim-model", choices=sorted(PRESETS), default="llama-3-8b" if simulate else None,
+                   help="model shape the roofline model prices")
+    p.add_argument("--kv", choices=KV_CACHES, default=None,
+                   help="KV cache layout (default: paged; reserved with --scheduler static)")
     p.add_argument("--kv-budget", type=int, default=None, metavar="BYTES",
-                   help="KV cache memory in bytes (default: max-batch x max-model-len tokens)")
+                   help="KV cache memory in bytes (default: max-batch x max-model-len tokens, capped by memory)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (paged)")
-    p.add_argument("--no-prefix-caching", action="store_true", help="paged: do not share prefixes")
+    p.add_argument("--no-prefix-caching", action="store_true", help="paged: do not share prompt prefixes")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="T",
-                   help="per-step token budget (continuous scheduler; default: unlimited)")
+                   help="per-step token budget (default: 2048, continuous scheduler only)")
     p.add_argument("--no-chunked-prefill", action="store_true",
-                   help="with a budget, wait until a prompt fits whole instead of chunking it")
-    p.add_argument("--preemption", choices=["recompute", "swap"], default="recompute",
+                   help="wait until a prompt fits the budget whole instead of chunking it")
+    p.add_argument("--preemption", choices=PREEMPTION_MODES, default="recompute",
                    help="how to take KV memory back when the paged cache is full")
     p.add_argument("--swap-space", type=int, default=0, metavar="BYTES",
                    help="host memory for swapped-out KV blocks (with --preemption swap)")
-    p.add_argument("--json", metavar="PATH", help="write the summary as JSON")
+    p.add_argument("--json", metavar="PATH", help="write every summary key as JSON")
     p.add_argument("--plot", metavar="PATH", help="save a timeline figure of the run")
-    p.add_argument("--no-progress", action="store_true")
-    if not simulate:
-        p.add_argument("--model", default="tiny", help="'tiny' or a Hugging Face checkpoint directory")
-        p.add_argument("--device", default="auto")
-        p.add_argument("--dtype", default="float32")
+    if simulate:
+        p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    else:
+        _model_args(p)
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m minibatch_engine",
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="minibatch-engine", formatter_class=FORMATTER,
                                      description="minibatch-engine: generate, benchmark, simulate")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    g = sub.add_parser("generate", help="generate text from prompts")
-    g.add_argument("prompts", nargs="+")
-    g.add_argument("--model", default="tiny")
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--scheduler", choices=sorted(SCHEDULERS), default="static")
-    g.add_argument("--device", default="auto")
-    g.add_argument("--dtype", default="float32")
+    g = sub.add_parser("generate", formatter_class=FORMATTER, help="generate text from prompts",
+                       description="Generate from text prompts. The built-in 'tiny' model has seeded random "
+                                   "weights: its text is noise, identical on every machine.")
+    g.add_argument("prompts", nargs="+", help="one or more text prompts")
+    g.add_argument("--max-tokens", type=int, default=32, help="most tokens to generate per prompt")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (1 = off)")
+    g.add_argument("--seed", type=int, default=None, help="sampling seed (per request)")
+    g.add_argument("--scheduler", choices=SCHEDULER_NAMES, default="continuous",
+                   help="static (padded batches) or continuous (iteration-level)")
+    _model_args(g)
 
-    _bench_args(sub.add_parser("bench", help="run a workload on the real model and report"), False)
-    _bench_args(sub.add_parser("simulate", help="run a workload on the simulated GPU only"), True)
+    _bench_args(sub.add_parser("bench", formatter_class=FORMATTER,
+                               help="run a workload on the real model and report"), False)
+    _bench_args(sub.add_parser("simulate", formatter_class=FORMATTER,
+                               help="run a workload on the simulated GPU only (no model)"), True)
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":
             return _generate(args)
         return _bench(args, simulate=args.command == "simulate")
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ValueError, TypeError, KeyError, FileNotFoundError, NotImplementedError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        print(f"error: {msg}", file=sys.stderr)
         return 2
 
 
@@ -80,29 +107,34 @@ def _generate(args) -> int:
               max_num_seqs=max(1, len(args.prompts)))
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    for out in llm.generate(args.prompts, params):
-        print(f"[{out.request_id}] {out.prompt!r} -> {out.text!r} ({out.finish_reason})")
+    if args.model == "tiny":
+        print("note: 'tiny' has seeded random weights, so its text is noise (the same on every machine)",
+              file=sys.stderr)
+    for out in llm.generate(args.prompts, params, use_tqdm=not args.no_progress):
+        print(f"[{out.request_id}] {out.prompt!r} -> {out.text!r}  "
+              f"({len(out.token_ids)} tokens, finished: {out.finish_reason})")
     return 0
 
 
 def _bench(args, simulate: bool) -> int:
-    from .bench import format_table, run_bench, write_json
+    from .bench import format_report, run_bench, write_json
     summary, engine = run_bench(
         scheduler=args.scheduler, workload=args.workload, num_requests=args.num_requests,
         max_batch=args.max_batch, seed=args.seed, sim_gpu=args.sim_gpu, sim_model=args.sim_model,
         max_model_len=args.max_model_len, arrival_rate=args.arrival_rate,
-        progress=not args.no_progress, simulate_only=simulate, kv_cache=args.kv,
+        progress=not args.no_progress, simulate_only=simulate,
+        kv_cache=args.kv or "auto",
         kv_budget_bytes=args.kv_budget, block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching,
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_batched_tokens="auto" if args.max_num_batched_tokens is None else args.max_num_batched_tokens,
         enable_chunked_prefill=not args.no_chunked_prefill,
         preemption_mode=args.preemption, swap_space_bytes=args.swap_space,
         **({} if simulate else {"model": args.model, "device": args.device, "dtype": args.dtype}))
-    print(format_table(summary))
+    print(format_report(summary, simulated=simulate))
     if args.json:
         write_json(summary, args.json)
     if args.plot:
-        from . import plotting
+        from .book import plotting
         fig = plotting.timeline(engine.trace, title=f"{args.scheduler} on {args.workload}")
         fig.savefig(args.plot, dpi=120, bbox_inches="tight")
     return 0

@@ -1,17 +1,20 @@
-"""A request and its life: WAITING -> RUNNING -> FINISHED (PREEMPTED comes later).
+"""A request and its life: WAITING -> RUNNING -> (PREEMPTED -> RUNNING)* -> FINISHED.
 
 The one number the schedulers reason about is ``num_computed_tokens``: how many
 of the request's known tokens (prompt plus outputs so far) already have K/V in
 the cache. A request needs ``num_tokens - num_computed_tokens`` more tokens
 computed before it can sample again: the whole prompt at first (prefill), then
 one token per step (decode).
+
+A request is plain data (no tensors). The scheduler is the only part that
+changes it, in ``Scheduler.update_from_output`` and ``Scheduler.finish_requests``;
+the model runner reads it and keeps its sampling state (a seeded generator per
+request id) itself.
 """
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-
-import torch
 
 from .sampling import SamplingParams
 
@@ -23,12 +26,24 @@ class RequestStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"      # max_tokens reached
+    STOP = "stop"          # EOS or a stop token
+    ABORT = "abort"        # ended from outside (abort, a cancelled stream)
+
+    def __str__(self) -> str:
+        return self.value
+
+
 @dataclass(eq=False)
 class Request:
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     prompt: str | None = None
+    eos_token_id: int | None = None
+    priority: int = 0                         # lower runs earlier (vLLM's convention)
+    client_id: str | None = None              # the tenant, for fair-share scheduling
     output_token_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0
@@ -37,15 +52,14 @@ class Request:
     num_recomputed_tokens: int = 0            # K/V thrown away by recompute preemption
     num_swaps: int = 0
     parent_id: str | None = None              # set on the forked samples of n > 1
-    finish_reason: str | None = None          # "length", "stop" or "abort"
-    eos_token_id: int | None = None
+    child_ids: list[str] = field(default_factory=list)   # n > 1: the forked samples
+    finish_reason: FinishReason | None = None
     # Timestamps, as engine step indices (the trace maps steps to seconds in each clock).
     arrival_step: int = 0
     arrival_time: dict = field(default_factory=dict)   # clock name -> seconds
     first_scheduled_step: int | None = None
     token_steps: list[int] = field(default_factory=list)
     finish_step: int | None = None
-    generator: torch.Generator | None = None
 
     def __post_init__(self):
         self._token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
@@ -76,6 +90,17 @@ class Request:
         """The most tokens this request can ever hold: prompt plus ``max_tokens``."""
         return self.num_prompt_tokens + self.sampling_params.max_tokens
 
+    @property
+    def awaits_fork(self) -> bool:
+        """A parent of parallel sampling (n > 1) that has not sampled yet: its
+        first step that samples forks it into n sequences."""
+        return self.sampling_params.n > 1 and self.parent_id is None and not self.child_ids
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences this request will occupy once forked (1, or n before its fork)."""
+        return self.sampling_params.n if self.awaits_fork else 1
+
     def append_token(self, token: int, step: int) -> None:
         """Record a sampled token and decide whether the request is done."""
         self.output_token_ids.append(token)
@@ -83,13 +108,13 @@ class Request:
         self.token_steps.append(step)
         p = self.sampling_params
         if token in p.stop_token_ids or (not p.ignore_eos and token == self.eos_token_id):
-            self.finish(step, "stop")
+            self.finish(step, FinishReason.STOP)
         elif self.num_output_tokens >= p.max_tokens:
-            self.finish(step, "length")
+            self.finish(step, FinishReason.LENGTH)
 
-    def finish(self, step: int, reason: str) -> None:
+    def finish(self, step: int, reason: FinishReason) -> None:
         self.status = RequestStatus.FINISHED
-        self.finish_reason = reason
+        self.finish_reason = FinishReason(reason)
         self.finish_step = step
 
     def __repr__(self) -> str:

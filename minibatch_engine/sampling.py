@@ -12,11 +12,14 @@ from typing import Sequence
 import torch
 
 
+GREEDY_EPS = 1e-5
+
+
 @dataclass
 class SamplingParams:
     """How to pick each next token, and when to stop (shaped like vLLM's).
 
-    ``temperature=0`` means greedy. ``top_k=0`` and ``top_p=1`` switch those
+    ``temperature=0`` (or anything below ``1e-5``) means greedy. ``top_k=0`` and ``top_p=1`` switch those
     filters off. ``max_tokens`` caps the output; ``stop_token_ids`` and the
     model's EOS end it early unless ``ignore_eos`` (serving benchmarks set it so
     output lengths follow the workload). ``seed`` makes sampling reproducible per
@@ -34,25 +37,42 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self):
-        if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n must be an integer >= 1, got {self.n!r}")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
-        if not (self.temperature >= 0.0) or self.temperature != self.temperature:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {self.top_k!r}")
+        def integer(name, low):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < low:
+                raise ValueError(f"SamplingParams.{name} must be an integer >= {low}, got {v!r}")
+
+        def number(name):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
+                raise ValueError(f"SamplingParams.{name} must be a number, got {v!r}")
+
+        integer("n", 1)
+        integer("max_tokens", 1)
+        integer("top_k", 0)
+        number("temperature")
+        number("top_p")
+        if not 0.0 <= self.temperature < float("inf"):
+            raise ValueError(f"SamplingParams.temperature must be >= 0 and finite, got {self.temperature!r}")
         if not (0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise ValueError(f"seed must be a non-negative integer or None, got {self.seed!r}")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}")
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p!r}")
+        if self.seed is not None:
+            integer("seed", 0)
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"SamplingParams.ignore_eos must be True or False, got {self.ignore_eos!r}")
+        if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(self.stop_token_ids, (list, tuple, set)):
+            raise ValueError(f"SamplingParams.stop_token_ids must be a list of token ids, got "
+                             f"{self.stop_token_ids!r} (write [5] for one)")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(f"SamplingParams.stop_token_ids must be non-negative integers, "
+                             f"got {self.stop_token_ids!r}")
         self.stop_token_ids = tuple(self.stop_token_ids)
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        """Temperatures below ``GREEDY_EPS`` are greedy (dividing logits by such a
+        temperature overflows; vLLM draws the same line)."""
+        return self.temperature < GREEDY_EPS
 
 
 def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

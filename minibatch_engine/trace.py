@@ -1,7 +1,7 @@
 """The per-step trace: the record every metric and figure of the book is computed from.
 
-Each step appends one :class:`StepRecord`: who ran (and in which KV slot, as
-prefill, decode or padding), tokens computed and tokens useful, KV memory, and
+Each step appends one :class:`StepRecord`: who ran (and in which KV row or
+first block, as prefill, decode or padding), tokens computed and tokens useful, KV memory, and
 the step's times in each clock. Nothing is counted on the side.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import numpy as np
 @dataclass
 class LaneRecord:
     request_id: str
-    slot: int          # first block of the request (its slot, for a slot cache)
+    first_block: int   # first KV block of the request (its row, for a reserved cache); -1: none
     kind: str          # "prefill", "decode", "pad"
     num_tokens: int
     start: int = 0     # position of the first new token (tokens already cached before it)
@@ -40,7 +40,7 @@ class StepRecord:
     sample_s: float = 0.0
     sim_start: float | None = None
     sim_end: float | None = None
-    preempted: list = field(default_factory=list)   # (request_id, "recompute" | "swap")
+    preempted: list = field(default_factory=list)   # Preemption(request_id, mode, num_bytes)
     swap_bytes: int = 0                             # KV bytes copied host <-> device
 
     @property
@@ -50,8 +50,8 @@ class StepRecord:
     @property
     def kv_fragmentation_bytes(self) -> int:
         """Reserved KV bytes that hold no token: for a paged cache, the unused
-        tails of last blocks (internal fragmentation); for a slot cache, the
-        empty rest of every reservation."""
+        tails of last blocks (internal fragmentation); for a reserved cache,
+        the empty rest of every reservation."""
         return self.kv_reserved_bytes - self.kv_used_bytes
 
     @property
@@ -85,7 +85,7 @@ class Trace:
         return sum(s.useful_tokens for s in self.steps)
 
     def eta(self) -> float:
-        """Useful token-slots over computed token-slots, for the whole run."""
+        """Useful tokens over computed tokens (padding included), for the whole run."""
         return self.useful_tokens / self.computed_tokens if self.computed_tokens else float("nan")
 
     def eta_by_batch(self) -> dict[int, float]:

@@ -17,7 +17,7 @@ def sim_engine(**cfg):
 @settings(max_examples=60, deadline=None)
 @given(lengths=st.lists(st.tuples(st.integers(1, 300), st.integers(1, 60)), min_size=1, max_size=30),
        B=st.integers(1, 8), extra=st.integers(0, 100), partial=st.integers(1, 3),
-       kv=st.sampled_from(["slot", "paged"]))
+       kv=st.sampled_from(["reserved", "paged"]))
 def test_budget_never_exceeded_and_everyone_finishes(lengths, B, extra, partial, kv):
     budget = B + extra
     engine = sim_engine(max_num_seqs=B, max_model_len=512, max_num_batched_tokens=budget,
@@ -35,7 +35,7 @@ def test_budget_never_exceeded_and_everyone_finishes(lengths, B, extra, partial,
 
 @settings(max_examples=10, deadline=None)
 @given(lengths=st.lists(st.tuples(st.integers(1, 30), st.integers(1, 10)), min_size=1, max_size=6),
-       B=st.integers(1, 3), extra=st.integers(0, 12), kv=st.sampled_from(["slot", "paged"]))
+       B=st.integers(1, 3), extra=st.integers(0, 12), kv=st.sampled_from(["reserved", "paged"]))
 def test_any_chunk_size_gives_the_same_tokens(tiny64, lengths, B, extra, kv):
     torch.manual_seed(B * 13 + extra)
     prompts = [torch.randint(0, 256, (p,)).tolist() for p, _ in lengths]

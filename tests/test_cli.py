@@ -43,7 +43,7 @@ def test_bench_paged_continuous_keys(tmp_path):
                  "--num-requests", "6", "--max-batch", "4", "--json", str(out), "--no-progress"]) == 0
     data = json.loads(out.read_text())
     for k in ("kv_utilization", "peak_running", "prefix_cache_hit_tokens", "itl_steps_p99",
-              "itl_seconds_p50", "overhead_fraction", "slot_utilization"):
+              "itl_seconds_p50", "overhead_fraction", "batch_utilization"):
         assert k in data, k
     assert data["kv_cache"] == "paged" and data["kv_capacity_bytes"] <= 2 ** 22
     assert 0 < data["kv_utilization"] <= 1
@@ -72,7 +72,7 @@ def test_bench_preemption_keys(tmp_path):
 
 def test_simulate_and_generate_commands_run(capsys):
     assert main(["simulate", "--num-requests", "4", "--max-batch", "2", "--no-progress"]) == 0
-    assert "sim_seconds" in capsys.readouterr().out
+    assert "simulated H100-SXM" in capsys.readouterr().out
     assert main(["generate", "hello", "world", "--max-tokens", "4", "--device", "cpu"]) == 0
     assert "length" in capsys.readouterr().out
 

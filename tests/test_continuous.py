@@ -1,4 +1,4 @@
-"""Iteration-level scheduling: exact tokens, nothing lost, slots refilled at once."""
+"""Iteration-level scheduling: exact tokens, nothing lost, places refilled at once."""
 import pytest
 import torch
 from hypothesis import given, settings
@@ -10,7 +10,7 @@ SIM = dict(sim_gpu="H100-SXM", sim_model="llama-3-8b")
 
 
 def check_refill_invariants(engine, reqs, max_num_seqs):
-    """On the trace: the batch never exceeds max_num_seqs, and whenever a slot is
+    """On the trace: the batch never exceeds max_num_seqs, and whenever a place is
     free at a step no request that had arrived is left waiting."""
     for s in engine.trace.steps:
         running = [r for r in reqs if r.first_scheduled_step is not None
@@ -19,7 +19,7 @@ def check_refill_invariants(engine, reqs, max_num_seqs):
         waiting = [r for r in reqs if r.arrival_step <= s.step
                    and (r.first_scheduled_step is None or r.first_scheduled_step > s.step)]
         if len(running) < max_num_seqs:
-            assert not waiting, f"step {s.step}: free slot but {len(waiting)} waiting"
+            assert not waiting, f"step {s.step}: free place but {len(waiting)} waiting"
 
 
 lengths_st = st.lists(st.tuples(st.integers(1, 200), st.integers(1, 200)), min_size=1, max_size=50)
@@ -35,7 +35,7 @@ def test_nothing_lost_no_padding_and_immediate_refill(lengths, B):
     assert [r.num_output_tokens for r in reqs] == [g for _, g in lengths]
     assert engine.trace.eta() == 1.0                                                 # no padding at all
     check_refill_invariants(engine, reqs, B)
-    assert engine.kv_cache.num_used_slots == 0
+    assert engine.kv_cache.num_used_blocks == 0
 
 
 @settings(max_examples=30, deadline=None)
@@ -72,16 +72,17 @@ def test_continuous_greedy_equals_lone_full_recompute(tiny64, lengths, B):
 
 
 def test_mixed_prefill_and_decode_in_one_step(tiny64):
-    engine = Engine(tiny64, scheduler="continuous", max_num_seqs=2, max_model_len=64)
+    engine = Engine(tiny64, scheduler="continuous", kv_cache="reserved", max_num_batched_tokens=None,
+                    max_num_seqs=2, max_model_len=64)
     a = engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
     b = engine.add_request([4, 5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True))
     c = engine.add_request([8, 9], SamplingParams(max_tokens=3, ignore_eos=True))
     engine.run()
-    # a finishes in step 1; c takes its slot in step 2 with its prompt, next to b's decode token
+    # a finishes in step 1; c takes its row in step 2 with its prompt, next to b's decode token
     assert a.finish_step == 1 and c.first_scheduled_step == 2
     kinds = sorted((l.request_id, l.kind, l.num_tokens) for l in engine.trace[2].lanes)
     assert kinds == [(b.request_id, "decode", 1), (c.request_id, "prefill", 2)]
-    assert engine.trace[2].lanes[1].slot == engine.trace[0].lanes[0].slot   # the slot a freed
+    assert engine.trace[2].lanes[1].first_block == engine.trace[0].lanes[0].first_block   # the row a freed
     for r in (a, b, c):
         assert r.output_token_ids == reference_generate(tiny64, r.prompt_token_ids, r.sampling_params.max_tokens)
 
@@ -97,13 +98,13 @@ def test_same_tokens_as_static(tiny64):
     assert static_out == cont_out and cont_steps < static_steps
 
 
-def test_abort_frees_the_slot_for_the_next_step(tiny64):
+def test_abort_frees_the_row_for_the_next_step(tiny64):
     engine = Engine(tiny64, scheduler="continuous", max_num_seqs=1, max_model_len=64)
     a = engine.add_request([1, 2], SamplingParams(max_tokens=20, ignore_eos=True))
     b = engine.add_request([3], SamplingParams(max_tokens=2, ignore_eos=True))
     engine.step()
     engine.abort(a.request_id)
-    assert engine.kv_cache.num_used_slots == 0
+    assert engine.kv_cache.num_used_blocks == 0
     engine.step()
     assert b.first_scheduled_step == 1
     engine.run()

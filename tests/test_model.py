@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from minibatch_engine.attention import AttentionMetadata
-from minibatch_engine.kv import SlotKVCache
+from minibatch_engine.kv import ReservedKVCache
 from minibatch_engine.model import Transformer, build_model, full_forward_logits, get_preset, reference_generate
 from minibatch_engine.model.config import PRESETS, ModelConfig
 
@@ -12,8 +12,8 @@ from .conftest import DEVICES
 
 
 def cached_greedy(model, prompt, n, max_model_len=128):
-    """Prefill once, then decode one token per step through a slot cache."""
-    cache = SlotKVCache(model.config, 1, max_model_len, dtype=model.dtype, device=model.device)
+    """Prefill once, then decode one token per step through a reserved cache."""
+    cache = ReservedKVCache(model.config, 1, max_model_len, dtype=model.dtype, device=model.device)
     cache.allocate("r", len(prompt))
     dev = model.device
     meta = AttentionMetadata.build([len(prompt)], [len(prompt)], [cache.block_table("r")], cache.block_size, dev)
@@ -42,7 +42,7 @@ def test_ragged_batch_logits_equal_each_sequence_alone(tiny64):
     torch.manual_seed(0)
     seqs = [torch.randint(0, 256, (n,)).tolist() for n in (7, 19, 30)]
     new = [7, 1, 5]   # a prefill, a decode, a chunk
-    cache = SlotKVCache(tiny64.config, 3, 64, dtype=torch.float64)
+    cache = ReservedKVCache(tiny64.config, 3, 64, dtype=torch.float64)
     ids, pos, ql, sl, bts = [], [], [], [], []
     for i, (s, q) in enumerate(zip(seqs, new)):
         rid = str(i)
@@ -63,10 +63,10 @@ def test_ragged_batch_logits_equal_each_sequence_alone(tiny64):
 def test_kv_bytes_match_formula_and_allocation():
     cfg = get_preset("tiny")
     for dtype, size in ((torch.float32, 4), (torch.bfloat16, 2), (torch.float64, 8)):
-        cache = SlotKVCache(cfg, num_slots=3, max_model_len=100, dtype=dtype)
+        cache = ReservedKVCache(cfg, num_rows=3, max_model_len=100, dtype=dtype)
         per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * size
         assert cache.bytes_per_token == per_token == cfg.kv_bytes_per_token(size)
-        # the pool tensor really holds num_slots x max_model_len tokens (+ one null block)
+        # the pool tensor really holds num_rows x max_model_len tokens (+ one null block)
         assert cache.pool.kv.numel() * size == per_token * 100 * 4
         assert cache.capacity_bytes == per_token * 100 * 3
         cache.allocate("a", 10)
@@ -76,15 +76,15 @@ def test_kv_bytes_match_formula_and_allocation():
         cache.mark_computed("b", None, 30)
         assert cache.used_bytes == 40 * per_token
         cache.free("a")
-        assert cache.reserved_bytes == 100 * per_token and cache.free_slots == [0, 2]
+        assert cache.reserved_bytes == 100 * per_token and cache.free_rows == [0, 2]
 
 
-def test_slot_cache_refuses_when_full_or_too_long():
-    cache = SlotKVCache(get_preset("tiny"), num_slots=1, max_model_len=16)
+def test_reserved_cache_refuses_when_full_or_too_long():
+    cache = ReservedKVCache(get_preset("tiny"), num_rows=1, max_model_len=16)
     assert not cache.allocate("a", 17)
     assert cache.allocate("a", 16)
     assert not cache.allocate("b", 1)
-    assert cache.num_used_slots == 1
+    assert cache.num_used_blocks == 1
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
@@ -152,7 +152,34 @@ def test_cuda_matches_cpu(dtype):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_every_tensor_on_the_model_device(device):
+    """The pool and every tensor a step builds (ids, positions, attention
+    metadata) live on the model's device: no hidden host round trip."""
     from minibatch_engine import LLM, SamplingParams
     llm = LLM("tiny", device=device, max_num_seqs=2)
-    llm.generate(["a", "bc"], SamplingParams(max_tokens=3), use_tqdm=False)
+    seen = []
+
+    def spy(runner):
+        prepare = runner.prepare_inputs
+
+        def wrapped(sched):
+            ids, pos, meta = prepare(sched)
+            tensors = [ids, pos, *(v for v in vars(meta).values() if isinstance(v, torch.Tensor))]
+            for g in meta.groups:
+                tensors += [v for v in vars(g).values() if isinstance(v, torch.Tensor)]
+            seen.append({t.device.type for t in tensors})
+            return ids, pos, meta
+        runner.prepare_inputs = wrapped
+
+    from minibatch_engine import engine as engine_module
+    original = engine_module.ModelRunner.__init__
+
+    def init(self, *a, **kw):
+        original(self, *a, **kw)
+        spy(self)
+    engine_module.ModelRunner.__init__ = init
+    try:
+        llm.generate(["a", "bc"], SamplingParams(max_tokens=3), use_tqdm=False)
+    finally:
+        engine_module.ModelRunner.__init__ = original
     assert llm.engine.kv_cache.pool.kv.device.type == device
+    assert len(seen) == 3 and all(devices == {device} for devices in seen)

@@ -27,14 +27,18 @@ def test_block_manager_random_operations(ops, num_blocks, block_size, collide):
         rid = f"r{k}"
         if op == "new" and rid not in m.block_tables:
             toks = [t % 3 for t in range(n)]            # few distinct tokens: many prefix hits
-            hit = m.match_prefix(rid, toks)
-            assert hit % block_size == 0 and hit < n
-            assert tuple(toks[:hit]) == tuple(t for b in m.block_tables.get(rid, [])
-                                              for t in m.blocks[b].tokens)
-            if m.allocate(rid, n):
+            free_before, refs_before = m.num_free_blocks, [b.ref_count for b in m.blocks]
+            found, hit = m.find_cached_prefix(toks)
+            # the lookup takes nothing: same free list, same reference counts
+            assert m.num_free_blocks == free_before and [b.ref_count for b in m.blocks] == refs_before
+            assert hit % block_size == 0 and hit < n and hit == len(found) * block_size
+            assert tuple(toks[:hit]) == tuple(t for b in found for t in m.blocks[b].tokens)
+            if m.allocate(rid, n, prefix=found):
+                assert m.block_tables[rid][:len(found)] == found
                 tokens[rid], computed[rid] = toks, hit
-            else:
-                m.free_request(rid)
+            else:                                        # a failed allocate changes nothing
+                assert rid not in m.block_tables and m.num_free_blocks == free_before
+                assert [b.ref_count for b in m.blocks] == refs_before
         elif op == "grow" and rid in tokens:
             tokens[rid] = tokens[rid] + [n % 3]
             copies = m.copy_on_write(rid, computed[rid]) if m.num_free_blocks >= len(m.block_tables[rid]) else []
@@ -72,19 +76,19 @@ def run(tiny, prompts, outs, **cfg):
 @settings(max_examples=8, deadline=None)
 @given(lengths=st.lists(st.tuples(st.integers(1, 40), st.integers(1, 12)), min_size=2, max_size=7),
        block_size=st.sampled_from([1, 3, 8, 16]), shared=st.integers(0, 20))
-def test_paged_equals_slot_equals_recompute(tiny64, lengths, block_size, shared):
+def test_paged_equals_reserved_equals_recompute(tiny64, lengths, block_size, shared):
     torch.manual_seed(block_size + shared)
     prefix = torch.randint(0, 256, (shared,)).tolist()      # a common system prompt
     prompts = [prefix + torch.randint(0, 256, (p,)).tolist() for p, _ in lengths]
     outs = [g for _, g in lengths]
-    _, slot = run(tiny64, prompts, outs, max_num_seqs=3)
+    _, reserved = run(tiny64, prompts, outs, max_num_seqs=3)
     eng, paged = run(tiny64, prompts, outs, max_num_seqs=3, kv_cache="paged", block_size=block_size)
     # internal fragmentation: less than one block per running sequence
     for s in eng.trace.steps:
         assert 0 <= s.kv_fragmentation_bytes < max(1, s.num_running + 1) * block_size * eng.kv_cache.bytes_per_token
     _, no_cache = run(tiny64, prompts, outs, max_num_seqs=3, kv_cache="paged", block_size=block_size,
                       enable_prefix_caching=False)
-    assert slot == paged == no_cache == [reference_generate(tiny64, p, g) for p, g in zip(prompts, outs)]
+    assert reserved == paged == no_cache == [reference_generate(tiny64, p, g) for p, g in zip(prompts, outs)]
     assert eng.kv_cache.manager.num_used_blocks == 0
     eng.kv_cache.manager.check_invariants()
 
@@ -160,29 +164,29 @@ def test_request_larger_than_the_whole_cache_is_refused(tiny64):
         engine.add_request([1] * 60, SamplingParams(max_tokens=10))
     engine.add_request([1] * 50, SamplingParams(max_tokens=14))      # exactly 64 tokens: fits
     with pytest.raises(ValueError, match="n > 1"):
-        Engine(tiny64, max_num_seqs=2).add_request([1], SamplingParams(n=2))
+        Engine(tiny64, max_num_seqs=2, kv_cache="reserved").add_request([1], SamplingParams(n=2))
     with pytest.raises(ValueError, match="static"):
         EngineConfig(scheduler="static", kv_cache="paged")
 
 
-def test_budget_in_bytes_sets_slots_and_blocks():
+def test_budget_in_bytes_sets_rows_and_blocks():
     cfg = get_preset("llama-3-8b")
     per_token = cfg.kv_bytes_per_token(2)
-    budget = 100 * 1024 * per_token                  # 100 slots of 1024 tokens
-    slot = Engine(None, EngineConfig(scheduler="continuous", max_num_seqs=256, max_model_len=1024,
-                                     kv_budget_bytes=budget, **SIM))
+    budget = 100 * 1024 * per_token                  # 100 rows of 1024 tokens
+    reserved = Engine(None, EngineConfig(scheduler="continuous", max_num_seqs=256, max_model_len=1024,
+                                         kv_budget_bytes=budget, kv_cache="reserved", **SIM))
     paged = Engine(None, EngineConfig(scheduler="continuous", max_num_seqs=256, max_model_len=1024,
                                       kv_budget_bytes=budget, kv_cache="paged", **SIM))
-    assert slot.kv_cache.num_slots == 100
+    assert reserved.kv_cache.num_rows == 100
     assert paged.kv_cache.num_blocks == 100 * 1024 // 16
-    assert slot.kv_cache.capacity_bytes == paged.kv_cache.capacity_bytes == budget
+    assert reserved.kv_cache.capacity_bytes == paged.kv_cache.capacity_bytes == budget
 
 
 def test_paged_memory_accounting():
     cache = PagedKVCache(get_preset("tiny"), num_blocks=8, block_size=4, watermark=0.0)
-    assert cache.allocate("a", 6, admit=True)                   # 2 blocks
+    assert cache.allocate("a", 6, headroom=cache.watermark_blocks)    # 2 blocks
     cache.mark_computed("a", list(range(6)), 6)
     assert cache.reserved_bytes == 8 * cache.bytes_per_token
-    assert cache.used_bytes == 6 * cache.bytes_per_token       # 2 slots of internal fragmentation
+    assert cache.used_bytes == 6 * cache.bytes_per_token       # 2 token places of internal fragmentation
     cache.free("a")
     assert cache.reserved_bytes == 0

@@ -31,9 +31,10 @@ def assert_no_leaks(engine):
     m = engine.kv_cache.manager
     m.check_invariants()
     assert m.num_used_blocks == 0 and not m.block_tables
-    if engine.swap_space is not None:
-        assert engine.swap_space.num_free_blocks == engine.swap_space.num_blocks
-        assert not engine.swap_space.tables
+    swap = engine.scheduler.preemptor.swap_space
+    if swap is not None:
+        assert swap.num_free_blocks == swap.num_blocks
+        assert not swap.tables
 
 
 @settings(max_examples=60, deadline=None)
@@ -82,8 +83,8 @@ def test_swap_really_moves_kv_and_falls_back_to_recompute(tiny64):
         assert sum(r.num_preemptions for r in reqs) > 0
         assert (swaps > 0) == expect_swaps and (recomputed > 0) != expect_swaps
         if expect_swaps:
-            assert engine.swap_space.swapped_out_bytes == engine.swap_space.swapped_in_bytes > 0
-            assert sum(s.swap_bytes for s in engine.trace.steps) == 2 * engine.swap_space.swapped_out_bytes
+            assert engine.scheduler.preemptor.swap_space.swapped_out_bytes == engine.scheduler.preemptor.swap_space.swapped_in_bytes > 0
+            assert sum(s.swap_bytes for s in engine.trace.steps) == 2 * engine.scheduler.preemptor.swap_space.swapped_out_bytes
 
 
 def test_abort_frees_blocks_wherever_the_request_is(tiny64):
@@ -92,14 +93,14 @@ def test_abort_frees_blocks_wherever_the_request_is(tiny64):
     seen = set()
     while engine.has_unfinished():
         engine.step()
-        states = {r.request_id: ("swapped" if engine.swap_space.holds(r.request_id) else r.status.value)
+        states = {r.request_id: ("swapped" if engine.scheduler.preemptor.swap_space.holds(r.request_id) else r.status.value)
                   for r in reqs if not r.is_finished}
         for rid, state in states.items():
             if state not in seen and state in ("swapped", "preempted", "waiting", "running") and len(seen) < 4:
                 seen.add(state)
                 engine.abort(rid)
                 engine.kv_cache.manager.check_invariants()
-                assert not engine.kv_cache.holds(rid) and not engine.swap_space.holds(rid)
+                assert not engine.kv_cache.holds(rid) and not engine.scheduler.preemptor.swap_space.holds(rid)
                 break
     assert {"running", "swapped"} <= seen
     assert_no_leaks(engine)
@@ -131,7 +132,7 @@ def test_swap_time_is_charged_on_the_sim_clock():
 
 def test_bad_preemption_settings():
     with pytest.raises(ValueError, match="paged"):
-        EngineConfig(scheduler="continuous", preemption_mode="swap")
+        EngineConfig(scheduler="continuous", kv_cache="reserved", preemption_mode="swap")
     with pytest.raises(ValueError, match="preemption_mode"):
         EngineConfig(scheduler="continuous", kv_cache="paged", preemption_mode="drop")
     with pytest.raises(ValueError, match="victim"):
@@ -148,7 +149,7 @@ def test_cuda_paged_chunked_swap_matches_cpu_reference(tiny64):
     engine = make_engine(gpu, "swap", 24, 24, max_num_seqs=4, max_model_len=96, max_num_batched_tokens=16)
     reqs = [engine.add_request(p, SamplingParams(max_tokens=25, ignore_eos=True)) for p in prompts]
     engine.run()
-    assert engine.swap_space.pool.kv.is_pinned()
+    assert engine.scheduler.preemptor.swap_space.pool.kv.is_pinned()
     assert sum(r.num_preemptions for r in reqs) > 0
     assert [r.output_token_ids for r in reqs] == [reference_generate(tiny64, p, 25) for p in prompts]
     assert_no_leaks(engine)

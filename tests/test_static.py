@@ -66,7 +66,7 @@ def test_padding_is_real_compute(tiny64):
     finally:
         del tiny64.forward
     assert seen == [s.computed_tokens for s in engine.trace.steps]
-    assert seen == [27] + [3] * 5      # 3 lanes x 9 prompt slots, then 5 lockstep decodes
+    assert seen == [27] + [3] * 5      # 3 lanes x 9 prompt positions, then 5 lockstep decodes
 
 
 def test_batches_wait_for_the_longest(tiny64):
@@ -96,7 +96,7 @@ def test_static_greedy_equals_lone_full_recompute(tiny64, lengths, B):
 
 
 def test_batch_respects_max_model_len_of_padded_layout(tiny64):
-    """max(prompt) + max(max_tokens) must fit a slot, so the batch closes early."""
+    """max(prompt) + max(max_tokens) must fit a row, so the batch closes early."""
     engine = Engine(tiny64, scheduler="static", max_num_seqs=4, max_model_len=20)
     engine.add_request([1] * 15, SamplingParams(max_tokens=2, ignore_eos=True))
     late = engine.add_request([1] * 2, SamplingParams(max_tokens=15, ignore_eos=True))
@@ -132,7 +132,7 @@ def test_abort_waiting_and_running(tiny64):
     engine.abort(a.request_id)          # running
     engine.run()
     assert (a.finish_reason, b.finish_reason) == ("abort", "abort")
-    assert not engine.has_unfinished() and engine.kv_cache.num_used_slots <= 1
+    assert not engine.has_unfinished() and engine.kv_cache.num_used_blocks <= 1
     assert b.first_scheduled_step is None
     with pytest.raises(KeyError):
         engine.abort("nope")

@@ -1,21 +1,115 @@
-"""What every KV-cache manager shares: a physical pool and its accounting.
+"""The one interface every KV-cache manager offers (a ``Protocol``).
 
-A manager (slot or paged) decides which part of the pool each request owns;
-the scheduler talks to it through ``allocate``, ``free``, ``block_table``,
-``match_prefix``, ``mark_computed``, ``fork`` and ``holds``, and the trace reads
-``reserved_bytes`` and ``used_bytes``.
+A manager decides which part of the physical pool (:class:`~.pool.KVPool`)
+each request owns. It knows request ids and token ids, never a ``Request``:
+the scheduler owns requests and asks the manager for memory; the model runner
+reads block tables and the pool; the trace reads the byte counts.
+
+Two implementations:
+
+* :class:`~.reserved.ReservedKVCache`: one row of ``max_model_len`` tokens per
+  request, reserved at admission (Orca, padded ``generate``);
+* :class:`~.paged.PagedKVCache`: ``block_size``-token blocks taken as a sequence
+  grows, shared through a prefix cache and copy-on-write (PagedAttention).
+
+Prefix reuse is two calls, as in vLLM: :meth:`find_cached_prefix` only looks
+(no side effect), and :meth:`allocate` commits what was found together with the
+new blocks, or changes nothing.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, Sequence, runtime_checkable
 
 from .pool import KVPool
 
 
-class KVCacheManager:
+@dataclass(frozen=True)
+class CachedPrefix:
+    """Full blocks found in the prefix cache for a token sequence."""
+    block_ids: tuple[int, ...] = field(default_factory=tuple)
+    num_tokens: int = 0
+
+    def __bool__(self) -> bool:
+        return self.num_tokens > 0
+
+
+NO_PREFIX = CachedPrefix()
+
+
+@runtime_checkable
+class KVCacheManager(Protocol):
     pool: KVPool
     block_size: int
+    watermark_blocks: int       # blocks admission keeps free for running requests to grow
+
+    def max_tokens_per_request(self) -> int:
+        """The most tokens one request can ever hold."""
+
+    def find_cached_prefix(self, token_ids: Sequence[int]) -> CachedPrefix:
+        """The cached full blocks ``token_ids`` start with (never the last token,
+        whose logits are needed). Looks only: nothing is taken."""
+
+    def allocate(self, request_id: str, num_tokens: int, num_computed_tokens: int = 0,
+                 prefix: CachedPrefix = NO_PREFIX, headroom: int = 0) -> bool:
+        """Make ``request_id`` hold ``num_tokens`` tokens, of which those from
+        ``num_computed_tokens`` on will be written this step (a block shared with
+        another request is copied first). ``prefix`` (a new request only) is
+        committed first. Fails, changing nothing, if fewer than ``headroom`` free
+        blocks would be left."""
+
+    def mark_computed(self, request_id: str, token_ids: Sequence[int], num_computed: int,
+                      prev_computed: int = 0) -> None:
+        """Tokens ``prev_computed .. num_computed - 1`` of the request now have K/V."""
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """``child_id`` shares every block of ``parent_id`` (parallel sampling)."""
+
+    def free(self, request_id: str) -> None:
+        """Give back everything ``request_id`` holds (no-op for an unknown id)."""
+
+    def swap_out(self, request_id: str, swap) -> int:
+        """Copy the request's blocks to host ``swap`` space, free them; returns bytes."""
+
+    def can_swap_in(self, swap, request_id: str, headroom: int = 0) -> bool:
+        """Room to bring the request's swapped blocks back, ``headroom`` blocks spare."""
+
+    def swap_in(self, request_id: str, swap, token_ids: Sequence[int], num_computed: int) -> int:
+        """Copy a swapped-out request back into fresh blocks; returns bytes."""
+
+    def block_table(self, request_id: str) -> list[int]:
+        """Physical blocks of the request, in order."""
+
+    def holds(self, request_id: str) -> bool:
+        """Whether the request holds memory now."""
 
     def layer(self, i: int):
-        """(k_slots, v_slots) of layer ``i`` for the model's attention."""
+        """(k, v) flat views ``[num_slots, kv_heads, head_dim]`` of layer ``i``."""
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def num_used_blocks(self) -> int: ...
+
+    @property
+    def reserved_bytes(self) -> int:
+        """Bytes of the blocks some request holds now."""
+
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of those that hold a token."""
+
+    @property
+    def capacity_bytes(self) -> int:
+        """The whole pool."""
+
+
+class PoolBacked:
+    """What both managers share: the pool's views and its size in bytes."""
+    pool: KVPool
+
+    def layer(self, i: int):
         return self.pool.layer(i)
 
     @property

@@ -62,6 +62,13 @@ class BlockManager:
     def num_used_blocks(self) -> int:
         return self.num_blocks - len(self.free)
 
+    def table(self, request_id: str) -> list[int]:
+        """The block table of ``request_id`` (KeyError if it holds none)."""
+        return self.block_tables[request_id]
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self.block_tables
+
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
@@ -89,23 +96,14 @@ class BlockManager:
             self._uncache(child)
         b.children.clear()
 
-    def allocate(self, request_id: str, num_tokens: int, watermark: int = 0) -> bool:
-        """Grow ``request_id``'s table to hold ``num_tokens`` tokens. Fails, changing
-        nothing, if that would leave fewer than ``watermark`` free blocks."""
-        need = self.num_new_blocks(request_id, num_tokens)
-        if need > self.num_free_blocks - watermark:
-            return False
-        table = self.block_tables.setdefault(request_id, [])
-        table.extend(self._take_free() for _ in range(need))
-        return True
-
-    def match_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
-        """For a request with no blocks yet: reuse the cached full blocks its tokens
-        start with. Returns the number of tokens whose K/V are already there. The
-        last token is never taken from the cache (its logits are needed)."""
-        if not self.enable_prefix_caching or self.block_tables.get(request_id):
-            return 0
-        table, parent_hash, parent = [], None, None
+    def find_cached_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
+        """The cached full blocks ``token_ids`` start with, and how many tokens
+        they hold. Looks only: no reference is taken, nothing leaves the free
+        list. The last token is never taken from the cache (its logits are
+        needed). Every hit is verified against the stored tokens and parent."""
+        if not self.enable_prefix_caching:
+            return [], 0
+        found, parent_hash, parent = [], None, None
         for i in range((len(token_ids) - 1) // self.block_size):
             tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
             h = self.hash_fn(parent_hash, tokens)
@@ -115,14 +113,40 @@ class BlockManager:
             b = self.blocks[block_id]
             if b.tokens != tokens or b.parent != parent:       # a collision: treat as a miss
                 break
+            found.append(block_id)
+            parent_hash, parent = h, block_id
+        return found, len(found) * self.block_size
+
+    def num_blocks_to_copy(self, request_id: str, first_pos: int) -> int:
+        """Shared blocks ``request_id`` would write into from ``first_pos`` on."""
+        table = self.block_tables.get(request_id, [])
+        return sum(self.blocks[b].ref_count > 1 for b in table[first_pos // self.block_size:])
+
+    def num_revived(self, block_ids: Sequence[int]) -> int:
+        """How many of ``block_ids`` sit on the free list (cached, unreferenced)."""
+        return sum(self.blocks[b].ref_count == 0 for b in block_ids)
+
+    def allocate(self, request_id: str, num_tokens: int, prefix: Sequence[int] = (),
+                 headroom: int = 0) -> bool:
+        """Grow ``request_id``'s table to hold ``num_tokens`` tokens; a request with
+        no blocks yet first takes the cached ``prefix`` blocks (found by
+        :meth:`find_cached_prefix`). Fails, changing nothing, if that would leave
+        fewer than ``headroom`` free blocks."""
+        table = self.block_tables.get(request_id)
+        if prefix and table:
+            raise ValueError(f"request {request_id!r} already holds blocks; a prefix is for new requests")
+        need = max(0, self.blocks_for(num_tokens) - (len(table) if table else len(prefix)))
+        if need + self.num_revived(prefix) > self.num_free_blocks - headroom:
+            return False
+        table = self.block_tables.setdefault(request_id, [])
+        for block_id in prefix:
+            b = self.blocks[block_id]
             if b.ref_count == 0:
                 del self.free[block_id]                        # revive a freed cached block
             b.ref_count += 1
             table.append(block_id)
-            parent_hash, parent = h, block_id
-        if table:
-            self.block_tables[request_id] = table
-        return len(table) * self.block_size
+        table.extend(self._take_free() for _ in range(need))
+        return True
 
     def mark_computed(self, request_id: str, token_ids: Sequence[int], num_computed: int,
                       prev_computed: int = 0) -> None:

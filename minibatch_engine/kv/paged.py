@@ -13,11 +13,11 @@ from typing import Sequence
 import torch
 
 from .block_manager import BlockManager
-from .base import KVCacheManager
+from .base import NO_PREFIX, CachedPrefix, PoolBacked
 from .pool import KVPool
 
 
-class PagedKVCache(KVCacheManager):
+class PagedKVCache(PoolBacked):
     """``num_blocks`` blocks of ``block_size`` tokens, handed out on demand."""
 
     def __init__(self, model_config, num_blocks: int, block_size: int = 16,
@@ -33,36 +33,35 @@ class PagedKVCache(KVCacheManager):
         # Admission keeps a few blocks free so running requests can still grow.
         self.watermark_blocks = int(watermark * num_blocks)
 
-    # --- the interface every KV manager offers the scheduler -------------------
+    # --- the KVCacheManager interface ---------------------------------------------
     @property
     def num_blocks(self) -> int:
         return self.manager.num_blocks
 
+    @property
+    def num_used_blocks(self) -> int:
+        return self.manager.num_used_blocks
+
     def max_tokens_per_request(self) -> int:
         return self.num_blocks * self.block_size
 
+    def find_cached_prefix(self, token_ids: Sequence[int]) -> CachedPrefix:
+        blocks, num_tokens = self.manager.find_cached_prefix(token_ids)
+        return CachedPrefix(tuple(blocks), num_tokens)
+
     def allocate(self, request_id: str, num_tokens: int, num_computed_tokens: int = 0,
-                 admit: bool = False) -> bool:
+                 prefix: CachedPrefix = NO_PREFIX, headroom: int = 0) -> bool:
         """Make room for ``num_tokens`` tokens; tokens from ``num_computed_tokens`` on
         will be written, so any shared block there is first copied (copy-on-write).
-        ``admit=True`` (a new request) keeps the watermark free."""
+        A new request commits its cached ``prefix`` blocks first."""
         m = self.manager
-        has = request_id in m.block_tables
-        copies_needed = 0
-        if has:
-            table = m.block_tables[request_id]
-            copies_needed = sum(m.blocks[table[i]].ref_count > 1
-                                for i in range(num_computed_tokens // self.block_size, len(table)))
-        need = m.num_new_blocks(request_id, num_tokens) + copies_needed
-        if need > m.num_free_blocks - (self.watermark_blocks if admit else 0):
-            return False
-        if has and copies_needed:
+        copies = m.num_blocks_to_copy(request_id, num_computed_tokens)
+        if copies:
+            if m.num_new_blocks(request_id, num_tokens) + copies > m.num_free_blocks - headroom:
+                return False
             for src, dst in m.copy_on_write(request_id, num_computed_tokens):
                 self.pool.kv[:, :, dst].copy_(self.pool.kv[:, :, src])
-        return m.allocate(request_id, num_tokens)
-
-    def match_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
-        return self.manager.match_prefix(request_id, token_ids)
+        return m.allocate(request_id, num_tokens, prefix.block_ids, headroom)
 
     def mark_computed(self, request_id: str, token_ids: Sequence[int], num_computed: int,
                       prev_computed: int = 0) -> None:
@@ -76,27 +75,27 @@ class PagedKVCache(KVCacheManager):
 
     def swap_out(self, request_id: str, swap) -> int:
         """Copy a request's blocks to the host swap space and free them here."""
-        nbytes = swap.swap_out(request_id, self.pool, list(self.manager.block_tables[request_id]))
+        nbytes = swap.swap_out(request_id, self.pool, list(self.manager.table(request_id)))
         self.manager.free_request(request_id)
         return nbytes
 
-    def can_swap_in(self, swap, request_id: str, extra_blocks: int = 0) -> bool:
-        return len(swap.tables[request_id]) + extra_blocks <= self.manager.num_free_blocks
+    def can_swap_in(self, swap, request_id: str, headroom: int = 0) -> bool:
+        return len(swap.tables[request_id]) + headroom <= self.manager.num_free_blocks
 
     def swap_in(self, request_id: str, swap, token_ids, num_computed: int) -> int:
         """Take fresh blocks and copy the request's swapped K/V back into them."""
         num_blocks = len(swap.tables[request_id])
         if not self.manager.allocate(request_id, num_blocks * self.block_size):
             raise RuntimeError(f"no room to swap {request_id!r} back in")
-        nbytes = swap.swap_in(request_id, self.pool, self.manager.block_tables[request_id])
+        nbytes = swap.swap_in(request_id, self.pool, self.manager.table(request_id))
         self.manager.mark_computed(request_id, token_ids, num_computed)
         return nbytes
 
     def block_table(self, request_id: str) -> list[int]:
-        return self.manager.block_tables[request_id]
+        return self.manager.table(request_id)
 
     def holds(self, request_id: str) -> bool:
-        return request_id in self.manager.block_tables
+        return self.manager.holds(request_id)
 
     # --- memory accounting -------------------------------------------------------
     @property
@@ -108,7 +107,3 @@ class PagedKVCache(KVCacheManager):
     def used_bytes(self) -> int:
         """Bytes of those blocks that hold a token (a shared block counts once)."""
         return self.manager.used_tokens() * self.pool.bytes_per_token
-
-    @property
-    def num_used_slots(self) -> int:
-        return self.manager.num_used_blocks

@@ -4,7 +4,7 @@ A block holds ``block_size`` consecutive tokens of one sequence. A slot is one
 token's place: ``slot = block_id * block_size + offset``. Both cache managers of
 the book own a pool like this one and differ only in how they hand out blocks:
 
-* :class:`~minibatch_engine.kv.slot.SlotKVCache`: one block of ``max_model_len``
+* :class:`~minibatch_engine.kv.reserved.ReservedKVCache`: one block of ``max_model_len``
   tokens per request, taken at admission (Orca, static batching);
 * the paged cache (chapter 4): small blocks taken as a sequence grows.
 

@@ -7,6 +7,7 @@ from ..device import resolve_device, resolve_dtype
 from .config import PRESETS, ModelConfig, get_preset
 from .loader import CheckpointError, UnsupportedCheckpointError, load_model
 from .reference import full_forward_logits, reference_generate
+from .registry import resolve_model, tokenizer_for
 from .tokenizer import ByteTokenizer, HFTokenizer, load_tokenizer
 from .transformer import Transformer, init_random
 
@@ -20,9 +21,12 @@ def build_model(config: ModelConfig | str = "tiny", device: str | torch.device =
     """
     cfg = get_preset(config) if isinstance(config, str) else config
     model = init_random(Transformer(cfg), seed=seed)
-    return model.to(device=resolve_device(device), dtype=resolve_dtype(dtype)).eval()
+    model = model.to(device=resolve_device(device), dtype=resolve_dtype(dtype)).eval()
+    model.source = cfg.name if cfg.name == "tiny" else None   # where its tokenizer comes from
+    return model
 
 
 __all__ = ["ModelConfig", "PRESETS", "get_preset", "Transformer", "build_model",
            "reference_generate", "full_forward_logits", "load_model", "load_tokenizer",
-           "ByteTokenizer", "HFTokenizer", "CheckpointError", "UnsupportedCheckpointError"]
+           "ByteTokenizer", "HFTokenizer", "CheckpointError", "UnsupportedCheckpointError",
+           "resolve_model", "tokenizer_for"]

@@ -67,9 +67,13 @@ def read_hf_config(path: str | Path) -> dict:
     if not cfg_file.is_file():
         raise CheckpointError(f"missing config.json in checkpoint directory {str(path)!r}")
     try:
-        return json.loads(cfg_file.read_text())
+        hf = json.loads(cfg_file.read_text())
     except json.JSONDecodeError as e:
         raise CheckpointError(f"config.json in {str(path)!r} is not valid JSON: {e}") from None
+    if not isinstance(hf, dict):
+        raise CheckpointError(f"config.json in {str(path)!r} must hold a JSON object, got a "
+                              f"{type(hf).__name__}")
+    return hf
 
 
 def _first_id(value) -> int | None:
@@ -97,6 +101,16 @@ def _require(hf: dict, key: str):
     if hf.get(key) is None:
         raise CheckpointError(f"config.json has no {key!r} (model_type {hf.get('model_type')!r})")
     return hf[key]
+
+
+def _require_int(hf: dict, key: str, default=None) -> int:
+    """A size from config.json: a positive integer (named in the error if not)."""
+    value = hf.get(key, default) if default is not None else _require(hf, key)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise CheckpointError(f"config.json: {key!r} must be a positive integer, got {value!r}")
+    return value
 
 
 def rope_theta_from_hf(hf: dict, default: float = 10000.0) -> float:
@@ -142,7 +156,7 @@ def _llama_like_config(hf: dict, name: str, path: Path | None) -> ModelConfig:
             f"hidden_act {hf['hidden_act']!r} is not supported (the MLP is SwiGLU: 'silu')")
     if hf.get("mlp_bias"):
         raise UnsupportedCheckpointError("mlp_bias=true is not supported (the MLP has no biases)")
-    max_position = int(_require(hf, "max_position_embeddings"))
+    max_position = _require_int(hf, "max_position_embeddings")
     if model_type == "qwen2":
         attention_bias = True                # Qwen2 always has q/k/v bias, no o_proj bias
         window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
@@ -162,16 +176,16 @@ def _llama_like_config(hf: dict, name: str, path: Path | None) -> ModelConfig:
     if any(t != "full_attention" for t in layer_types):
         raise UnsupportedCheckpointError(
             f"layer_types {sorted(set(layer_types))} are not supported (only full_attention)")
-    num_heads = int(_require(hf, "num_attention_heads"))
+    num_heads = _require_int(hf, "num_attention_heads")
     bos, eos = _special_ids(hf, path)
     return ModelConfig(
         family="llama", name=name,
-        vocab_size=int(_require(hf, "vocab_size")),
-        hidden_size=int(_require(hf, "hidden_size")),
-        num_layers=int(_require(hf, "num_hidden_layers")),
+        vocab_size=_require_int(hf, "vocab_size"),
+        hidden_size=_require_int(hf, "hidden_size"),
+        num_layers=_require_int(hf, "num_hidden_layers"),
         num_heads=num_heads,
-        num_kv_heads=int(hf.get("num_key_value_heads") or num_heads),
-        intermediate_size=int(_require(hf, "intermediate_size")),
+        num_kv_heads=_require_int(hf, "num_key_value_heads", default=num_heads),
+        intermediate_size=_require_int(hf, "intermediate_size"),
         max_position=max_position,
         head_dim=hf.get("head_dim") or None,
         norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
@@ -192,16 +206,16 @@ def _gpt2_config(hf: dict, name: str, path: Path | None) -> ModelConfig:
         raise UnsupportedCheckpointError(
             "only the standard 1/sqrt(head_dim) attention scaling is supported "
             "(scale_attn_weights=true, scale_attn_by_inverse_layer_idx=false)")
-    hidden = int(_require(hf, "n_embd"))
-    heads = int(_require(hf, "n_head"))
+    hidden = _require_int(hf, "n_embd")
+    heads = _require_int(hf, "n_head")
     bos, eos = _special_ids(hf, path)
     return ModelConfig(
         family="gpt2", name=name,
-        vocab_size=int(_require(hf, "vocab_size")),
+        vocab_size=_require_int(hf, "vocab_size"),
         hidden_size=hidden,
-        num_layers=int(_require(hf, "n_layer")),
+        num_layers=_require_int(hf, "n_layer"),
         num_heads=heads, num_kv_heads=heads,
-        intermediate_size=int(hf.get("n_inner") or 4 * hidden),
+        intermediate_size=_require_int(hf, "n_inner", default=4 * hidden),
         max_position=int(hf.get("n_positions") or _require(hf, "n_ctx")),
         norm_eps=float(hf.get("layer_norm_epsilon", 1e-5)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", True)),
@@ -431,4 +445,5 @@ def load_model(path: str | Path, device: str | torch.device = "auto",
     model.load_state_dict(state, strict=True, assign=True)
     if cfg.tie_word_embeddings:             # assign=True replaced both; share them again
         model.lm_head.weight = model.embed.weight
+    model.source = str(path)                # where its tokenizer comes from
     return model.eval()

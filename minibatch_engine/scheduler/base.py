@@ -1,22 +1,60 @@
-"""The scheduler interface: each step, who runs and how many tokens each computes."""
+"""The scheduler: it owns the requests and their progress.
+
+Every step the engine calls, in this order:
+
+1. :meth:`Scheduler.schedule` -> :class:`SchedulerOutput`: who runs, how many
+   tokens each computes (a snapshot: the runner reads it, never changes it);
+2. the model runner executes it and returns the sampled tokens;
+3. :meth:`Scheduler.update_from_output`: the scheduler advances
+   ``num_computed_tokens``, tells the KV manager which tokens now have K/V,
+   appends the sampled tokens, forks parallel samples, and finishes requests
+   (freeing their memory). vLLM's ``update_from_output`` and nano-vllm's
+   ``postprocess`` do the same job.
+
+:meth:`Scheduler.finish_requests` is the one way to end requests from outside
+(abort, a cancelled stream); the samples of an ``n > 1`` request end with it.
+"""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Iterable
 
-from ..request import Request
+from ..request import FinishReason, Request, RequestStatus
+
+if TYPE_CHECKING:
+    from ..runner.base import RunnerOutput
 
 
 @dataclass
 class ScheduledRequest:
-    """``num_tokens`` of ``request``'s known tokens, starting at ``num_computed_tokens``."""
+    """``num_tokens`` of ``request``'s known tokens, from position ``start`` on.
+
+    Built by the scheduler and read-only afterwards: ``start`` is the request's
+    ``num_computed_tokens`` when it was scheduled, ``samples`` says whether this
+    step computes its last known token (then a new token is sampled), and
+    ``forks`` lists the samples of an ``n > 1`` request that are forked from the
+    same logits.
+    """
     request: Request
     num_tokens: int
+    start: int = -1
+    samples: bool = False
+    forks: list[Request] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.start < 0:
+            self.start = self.request.num_computed_tokens
+        self.samples = self.start + self.num_tokens == self.request.num_tokens
 
     @property
     def is_prefill(self) -> bool:
         """True for prompt work (a whole prompt or a chunk of it) and for the
         multi-token recompute of a request resuming after preemption."""
-        return self.num_tokens > 1 or self.request.num_computed_tokens < self.request.num_prompt_tokens
+        return self.num_tokens > 1 or self.start < self.request.num_prompt_tokens
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
 
 
 @dataclass
@@ -32,13 +70,31 @@ class PaddingWork:
     block_table: list[int] | None = None
 
 
+@dataclass(frozen=True)
+class Preemption:
+    """A running request whose KV memory was taken this step."""
+    request_id: str
+    mode: str              # "recompute" or "swap"
+    num_bytes: int = 0     # KV bytes copied to host memory (swap)
+
+
+@dataclass(frozen=True)
+class SwapIn:
+    """A swapped-out request whose KV blocks were copied back this step."""
+    request_id: str
+    num_bytes: int
+
+
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     padding: list[PaddingWork] = field(default_factory=list)
+    step: int = 0                    # index of the step (the trace's row)
     batch_id: int | None = None      # static batching numbers its batches
-    preempted: list = field(default_factory=list)   # (request_id, "recompute" | "swap")
-    swap_bytes: int = 0              # KV bytes copied between host and device this step
+    preempted: list[Preemption] = field(default_factory=list)
+    swapped_in: list[SwapIn] = field(default_factory=list)
+    # requests that ended since the last step: the runner drops their sampling state
+    finished_request_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -52,39 +108,155 @@ class SchedulerOutput:
     def num_padding_tokens(self) -> int:
         return sum(p.num_tokens for p in self.padding)
 
+    @property
+    def swap_bytes(self) -> int:
+        """KV bytes copied between host and device this step, both ways."""
+        return sum(p.num_bytes for p in self.preempted) + sum(s.num_bytes for s in self.swapped_in)
+
     def sequence_shapes(self) -> list[tuple[int, int]]:
         """(new tokens, context length after the step) of every sequence the step
         computes, padding included: what a cost model needs."""
-        shapes = [(s.num_tokens, s.request.num_computed_tokens + s.num_tokens) for s in self.scheduled]
+        shapes = [(s.num_tokens, s.start + s.num_tokens) for s in self.scheduled]
         shapes += [(p.num_tokens, p.start_position + p.num_tokens) for p in self.padding]
         return shapes
 
 
 class Scheduler:
-    """Base class. A scheduler owns the waiting queue and the running set and talks
-    to the KV-cache manager; the engine calls it in this order every step:
-    ``schedule()``, (the executor runs), then ``on_request_finished`` for each
-    request that finished in that step."""
+    """Base class: the request registry and the update rule every scheduler shares.
+
+    Subclasses decide who runs (:meth:`_schedule`) and keep their queues
+    (:meth:`_enqueue`, :meth:`_remove`, :meth:`_release`)."""
 
     name = "base"
 
     def __init__(self, kv_cache, max_num_seqs: int):
-        if max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        if not isinstance(max_num_seqs, int) or max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be an integer >= 1, got {max_num_seqs!r}")
         self.kv_cache = kv_cache
         self.max_num_seqs = max_num_seqs
+        self.requests: dict[str, Request] = {}     # every request seen, forked samples too
+        self.num_steps = 0                          # non-empty steps scheduled so far
+        self._finished_ids: list[str] = []
 
+    # --- requests in ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        raise NotImplementedError
+        if request.request_id in self.requests:
+            raise ValueError(f"request_id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        request.status = RequestStatus.WAITING
+        request.arrival_step = self.num_steps
+        self._enqueue(request)
 
+    # --- one step ---------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """Decide this step's work (see the subclass's ``_schedule``)."""
+        out = self._schedule()
+        if out.is_empty:
+            return out
+        out.step = self.num_steps
+        self.num_steps += 1
+        out.finished_request_ids, self._finished_ids = self._finished_ids, []
+        for s in out.scheduled:
+            r = s.request
+            if r.first_scheduled_step is None:
+                r.first_scheduled_step = out.step
+            if s.samples and r.awaits_fork:
+                s.forks = [self._make_sample(r, k) for k in range(1, r.sampling_params.n)]
+        return out
+
+    def update_from_output(self, sched: SchedulerOutput, out: "RunnerOutput") -> list[Request]:
+        """Advance every scheduled request by what the step computed and sampled;
+        returns the requests (and forked samples) that finished in it."""
+        finished: list[Request] = []
+        for s in sched.scheduled:
+            r = s.request
+            if r.is_finished:             # ended from outside since it was scheduled
+                continue
+            r.num_computed_tokens = s.start + s.num_tokens
+            self.kv_cache.mark_computed(r.request_id, r.all_token_ids, r.num_computed_tokens, s.start)
+            if not s.samples:
+                continue
+            for child in s.forks:
+                self._fork(r, child)
+            for seq in [r, *s.forks]:
+                for token in out.sampled_token_ids[seq.request_id]:
+                    seq.append_token(token, sched.step)
+                    if seq.is_finished:
+                        finished.append(seq)
+                        self._end(seq)
+                        break
+        return finished
+
+    def finish_requests(self, request_ids: str | Iterable[str],
+                        reason: FinishReason = FinishReason.ABORT) -> list[Request]:
+        """End requests wherever they are (waiting, running, swapped out); their
+        memory is given back at once. The samples of an ``n > 1`` request end
+        with it. Returns the requests that were ended by this call."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        ended = []
+        for rid in ids:
+            if rid not in self.requests:
+                raise KeyError(f"unknown request {rid!r}")
+            req = self.requests[rid]
+            for r in [req, *(self.requests[c] for c in req.child_ids)]:
+                if r.is_finished:
+                    continue
+                self._remove(r)
+                r.finish(self.num_steps, reason)
+                self._end(r)
+                ended.append(r)
+        return ended
+
+    def samples_of(self, request_id: str) -> list[Request]:
+        """A request and, for n > 1, its forked samples, in order."""
+        req = self.requests[request_id]
+        return [req, *(self.requests[c] for c in req.child_ids)]
+
+    # --- parallel sampling ------------------------------------------------------
+    def _make_sample(self, parent: Request, k: int) -> Request:
+        """Sample ``k`` of an n > 1 request: the same prompt, seed ``seed + k``."""
+        p = parent.sampling_params
+        return Request(f"{parent.request_id}#{k}", parent.prompt_token_ids,
+                       replace(p, n=1, seed=None if p.seed is None else p.seed + k),
+                       prompt=parent.prompt, eos_token_id=parent.eos_token_id,
+                       priority=parent.priority, client_id=parent.client_id,
+                       parent_id=parent.request_id, arrival_step=parent.arrival_step,
+                       arrival_time=dict(parent.arrival_time),
+                       first_scheduled_step=parent.first_scheduled_step)
+
+    def _fork(self, parent: Request, child: Request) -> None:
+        """The prompt was prefilled once; the sample shares its KV blocks
+        (copy-on-write) and runs from now on."""
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_cached_tokens = parent.num_cached_tokens
+        self.requests[child.request_id] = child
+        parent.child_ids.append(child.request_id)
+        self.kv_cache.fork(parent.request_id, child.request_id)
+        child.status = RequestStatus.RUNNING
+        self._add_running(child)
+
+    def _end(self, request: Request) -> None:
+        self._finished_ids.append(request.request_id)
+        self._release(request)
+
+    # --- what subclasses implement ----------------------------------------------
+    def _schedule(self) -> SchedulerOutput:
         raise NotImplementedError
 
-    def on_request_finished(self, request: Request) -> None:
-        """Called once when a request finishes (length, stop or abort)."""
+    def _enqueue(self, request: Request) -> None:
+        """A new request joins the waiting queue."""
         raise NotImplementedError
 
-    def abort(self, request: Request) -> None:
+    def _add_running(self, request: Request) -> None:
+        """A forked sample starts out running."""
+        raise NotImplementedError
+
+    def _remove(self, request: Request) -> None:
+        """Take an unfinished request out of the queues (it is being ended)."""
+        raise NotImplementedError
+
+    def _release(self, request: Request) -> None:
+        """A request finished: give its memory back (now, or when its batch ends)."""
         raise NotImplementedError
 
     def has_unfinished(self) -> bool:

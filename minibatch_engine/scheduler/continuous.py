@@ -31,6 +31,22 @@ from .base import ScheduledRequest, Scheduler, SchedulerOutput
 from .preemption import Preemptor
 
 
+def check_token_budget(budget: int | None, chunked: bool, max_num_seqs: int, max_model_len: int) -> None:
+    """A budget must leave room for progress: at least one token per running
+    sequence with chunking, a whole longest prompt without it."""
+    if budget is None:
+        return
+    if chunked and budget < max_num_seqs:
+        raise ValueError(
+            f"max_num_batched_tokens ({budget}) must be >= max_num_seqs ({max_num_seqs}), "
+            "or decode tokens could fill every step and starve prefills")
+    if not chunked and budget < max_model_len:
+        raise ValueError(
+            f"without chunked prefill max_num_batched_tokens ({budget}) must be >= max_model_len "
+            f"({max_model_len}), or a long prompt could never be scheduled; raise the budget or "
+            "enable chunked prefill")
+
+
 class _Step:
     """What one call of ``schedule`` has handed out so far."""
 
@@ -53,15 +69,7 @@ class ContinuousScheduler(Scheduler):
                  max_num_batched_tokens: int | None = None, enable_chunked_prefill: bool = True,
                  max_num_partial_prefills: int = 1, preemptor: Preemptor | None = None):
         super().__init__(kv_cache, max_num_seqs)
-        if max_num_batched_tokens is not None:
-            if enable_chunked_prefill and max_num_batched_tokens < max_num_seqs:
-                raise ValueError(
-                    f"max_num_batched_tokens ({max_num_batched_tokens}) must be >= max_num_seqs "
-                    f"({max_num_seqs}), or decode tokens could fill every step and starve prefills")
-            if not enable_chunked_prefill and max_num_batched_tokens < max_model_len:
-                raise ValueError(
-                    f"without chunked prefill max_num_batched_tokens ({max_num_batched_tokens}) must be "
-                    f">= max_model_len ({max_model_len}), or a long prompt could never be scheduled")
+        check_token_budget(max_num_batched_tokens, enable_chunked_prefill, max_num_seqs, max_model_len)
         if max_num_partial_prefills < 1:
             raise ValueError(f"max_num_partial_prefills must be >= 1, got {max_num_partial_prefills}")
         self.max_model_len = max_model_len
@@ -73,14 +81,40 @@ class ContinuousScheduler(Scheduler):
         self.swapped: deque[Request] = deque()
         self.preemptor = preemptor or Preemptor(kv_cache)
 
-    def add_request(self, request: Request) -> None:
+    # --- queues -------------------------------------------------------------------
+    def _enqueue(self, request: Request) -> None:
         self.waiting.append(request)
 
-    def add_running(self, request: Request) -> None:
-        """A request that starts out running (a fork of parallel sampling)."""
-        request.status = RequestStatus.RUNNING
+    def _add_running(self, request: Request) -> None:
         self.running.append(request)
 
+    def _remove(self, request: Request) -> None:
+        if request in self.waiting:
+            self.waiting.remove(request)
+        elif request in self.swapped:
+            self.swapped.remove(request)
+            self.preemptor.discard(request)
+        elif request in self.running:
+            self.running.remove(request)
+
+    def _release(self, request: Request) -> None:
+        """A finished request leaves the batch and frees its KV memory at once."""
+        if request in self.running:
+            self.running.remove(request)
+        self.kv_cache.free(request.request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def num_seqs(self) -> int:
+        """Sequences running, counting the samples an n > 1 request will fork into."""
+        return sum(r.num_seqs for r in self.running)
+
+    # --- one step -------------------------------------------------------------------
     def _grant(self, req: Request, budget: int) -> int:
         """Tokens ``req`` may compute this step with ``budget`` left (0: none)."""
         remaining = req.num_tokens - req.num_computed_tokens
@@ -88,14 +122,13 @@ class ContinuousScheduler(Scheduler):
             return remaining
         return budget if self.enable_chunked_prefill else 0
 
-    def schedule(self) -> SchedulerOutput:
+    def _schedule(self) -> SchedulerOutput:
         """One step: running requests first (decode tokens, then prefill chunks),
         then swapped-out requests, then newcomers, within the token budget."""
         step = _Step(self.max_num_batched_tokens)
         self._schedule_running(step)
         self._schedule_swapped(step)
         self._schedule_waiting(step)
-        step.out.swap_bytes, self.preemptor.step_swap_bytes = self.preemptor.step_swap_bytes, 0
         return step.out
 
     def _schedule_running(self, step: "_Step") -> None:
@@ -120,7 +153,7 @@ class ContinuousScheduler(Scheduler):
                     victim = self.preemptor.pick_victim(self.running)
                     if self.running.index(victim) < i:
                         i -= 1
-                    step.out.preempted.append((victim.request_id, self._preempt(victim)))
+                    step.out.preempted.append(self._preempt(victim))
                     step.budget += step.granted.pop(id(victim), 0)
         step.out.scheduled = [ScheduledRequest(r, step.granted[id(r)]) for r in self.running
                               if id(r) in step.granted]
@@ -129,10 +162,10 @@ class ContinuousScheduler(Scheduler):
         """Swapped-out requests come back first, when memory allows (and nobody was
         preempted this step, which would only swap them out again)."""
         while self.swapped and not step.out.preempted and step.budget > 0 \
-                and len(self.running) < self.max_num_seqs \
+                and self.num_seqs() < self.max_num_seqs \
                 and self.preemptor.can_swap_in(self.swapped[0], bool(self.running)):
             req = self.swapped.popleft()
-            self.preemptor.swap_in(req)
+            step.out.swapped_in.append(self.preemptor.swap_in(req))
             self.running.append(req)
             n = self._grant(req, step.budget)
             if n and self.kv_cache.allocate(req.request_id, req.num_computed_tokens + n, req.num_computed_tokens):
@@ -140,9 +173,10 @@ class ContinuousScheduler(Scheduler):
                 step.out.scheduled.append(ScheduledRequest(req, n))
 
     def _schedule_waiting(self, step: "_Step") -> None:
-        """Free places are refilled from the queue, in arrival order, this very step."""
+        """Free places are refilled from the queue, in arrival order, this very step.
+        An n > 1 request counts as the n sequences it will fork into."""
         while not self.swapped and self.waiting and step.budget > 0 and \
-                len(self.running) + self.waiting[0].sampling_params.n <= self.max_num_seqs:
+                self.num_seqs() + self.waiting[0].num_seqs <= self.max_num_seqs:
             req = self.waiting[0]
             n = self._admit(req, step.budget, allow_partial=step.partial < self.max_num_partial_prefills)
             if n == 0:
@@ -154,49 +188,30 @@ class ContinuousScheduler(Scheduler):
             step.out.scheduled.append(ScheduledRequest(req, n))
 
     def _admit(self, req: Request, budget, allow_partial: bool) -> int:
-        """Reuse cached prefix blocks, then take blocks for what this step computes
-        (keeping the cache's watermark free). Returns the tokens granted (0: not
-        admitted, nothing held)."""
-        hit = self.kv_cache.match_prefix(req.request_id, req.all_token_ids)
-        req.num_computed_tokens = hit
-        n = self._grant(req, budget)
+        """Look up cached prefix blocks, then take them together with blocks for
+        what this step computes (keeping the cache's watermark free). Returns the
+        tokens granted (0: not admitted, nothing taken)."""
+        prefix = self.kv_cache.find_cached_prefix(req.all_token_ids)
+        remaining = req.num_tokens - prefix.num_tokens
+        n = remaining if remaining <= budget else (budget if self.enable_chunked_prefill else 0)
         # The watermark keeps room for running requests to grow; with none running
         # it would only stop a request that needs the whole pool from ever starting.
-        if n and (allow_partial or n == req.num_tokens - hit) and \
-                self.kv_cache.allocate(req.request_id, hit + n, hit, admit=bool(self.running)):
-            req.num_cached_tokens += hit
+        headroom = self.kv_cache.watermark_blocks if self.running else 0
+        if n and (allow_partial or n == remaining) and \
+                self.kv_cache.allocate(req.request_id, prefix.num_tokens + n, prefix.num_tokens,
+                                       prefix=prefix, headroom=headroom):
+            req.num_computed_tokens = prefix.num_tokens
+            req.num_cached_tokens += prefix.num_tokens
             return n
-        self.kv_cache.free(req.request_id)            # give the matched prefix back
-        req.num_computed_tokens = 0
         return 0
 
-    def _preempt(self, victim: Request) -> str:
+    def _preempt(self, victim: Request):
         """Take the victim's KV memory; it waits to be swapped back in, or re-queues
         first to be recomputed."""
         self.running.remove(victim)
-        how = self.preemptor.preempt(victim)
-        if how == "swap":
+        done = self.preemptor.preempt(victim)
+        if done.mode == "swap":
             self.swapped.append(victim)
         else:
             self.waiting.appendleft(victim)
-        return how
-
-    def on_request_finished(self, request: Request) -> None:
-        """A finished request leaves the batch and frees its KV memory at once."""
-        if request in self.running:
-            self.running.remove(request)
-        self.kv_cache.free(request.request_id)
-
-    def abort(self, request: Request) -> None:
-        if request in self.waiting:
-            self.waiting.remove(request)
-        if request in self.swapped:
-            self.swapped.remove(request)
-            self.preemptor.discard(request)
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running or self.swapped)
-
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
+        return done

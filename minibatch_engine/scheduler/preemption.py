@@ -17,6 +17,7 @@ Either way the request's tokens are exactly those of a run with no preemption.
 from __future__ import annotations
 
 from ..request import Request, RequestStatus
+from .base import Preemption, SwapIn
 
 VICTIM_POLICIES = ("latest", "most_blocks")
 MODES = ("recompute", "swap")
@@ -31,37 +32,37 @@ class Preemptor:
         if mode == "swap" and swap_space is None:
             raise ValueError("swap preemption needs a swap space")
         self.kv_cache, self.mode, self.swap_space, self.victim = kv_cache, mode, swap_space, victim
-        self.step_swap_bytes = 0       # bytes copied host <-> device in the current step
 
     def pick_victim(self, running: list[Request]) -> Request:
         if self.victim == "latest":
             return running[-1]
         return max(reversed(running), key=lambda r: len(self.kv_cache.block_table(r.request_id)))
 
-    def preempt(self, victim: Request) -> str:
-        """Take the victim's KV memory; returns how ("swap" or "recompute")."""
+    def preempt(self, victim: Request) -> Preemption:
+        """Take the victim's KV memory; returns what was done (mode and bytes)."""
         victim.status = RequestStatus.PREEMPTED
         victim.num_preemptions += 1
         if self.mode == "swap" and self.swap_space.can_swap_out(len(self.kv_cache.block_table(victim.request_id))):
-            self.step_swap_bytes += self.kv_cache.swap_out(victim.request_id, self.swap_space)
+            nbytes = self.kv_cache.swap_out(victim.request_id, self.swap_space)
             victim.num_swaps += 1
-            return "swap"
+            return Preemption(victim.request_id, "swap", nbytes)
         self.kv_cache.free(victim.request_id)
         victim.num_recomputed_tokens += victim.num_computed_tokens
         victim.num_computed_tokens = 0
-        return "recompute"
+        return Preemption(victim.request_id, "recompute")
 
     def can_swap_in(self, req: Request, others_running: bool) -> bool:
         """Room for its blocks; while others run, also for its next token and the
         admission watermark (alone, it may take the whole pool, or it could never
         come back)."""
-        extra = 1 + self.kv_cache.watermark_blocks if others_running else 0
-        return self.kv_cache.can_swap_in(self.swap_space, req.request_id, extra)
+        headroom = 1 + self.kv_cache.watermark_blocks if others_running else 0
+        return self.kv_cache.can_swap_in(self.swap_space, req.request_id, headroom)
 
-    def swap_in(self, req: Request) -> None:
-        self.step_swap_bytes += self.kv_cache.swap_in(req.request_id, self.swap_space, req.all_token_ids,
-                                                      req.num_computed_tokens)
+    def swap_in(self, req: Request) -> SwapIn:
+        nbytes = self.kv_cache.swap_in(req.request_id, self.swap_space, req.all_token_ids,
+                                       req.num_computed_tokens)
         req.status = RequestStatus.RUNNING
+        return SwapIn(req.request_id, nbytes)
 
     def discard(self, req: Request) -> None:
         """An aborted request gives its host blocks back too."""

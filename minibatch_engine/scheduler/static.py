@@ -5,7 +5,7 @@ requests form a batch; the prompts are left-padded to the longest one and
 prefilled together; then all lanes decode in lockstep until the last request
 ends. A lane whose request finished early keeps computing a pad token every
 step until then, and keeps its KV slot: the waste is real compute, which the
-trace counts.
+trace counts. The batch's KV rows are given back when its last request ends.
 """
 from __future__ import annotations
 
@@ -26,15 +26,37 @@ class StaticScheduler(Scheduler):
         self.next_position: dict[str, int] = {}  # finished lanes: where their pad token goes
         self.batch_id = -1
 
-    def add_request(self, request: Request) -> None:
+    # --- queues -------------------------------------------------------------------
+    def _enqueue(self, request: Request) -> None:
+        if request.sampling_params.n > 1:
+            raise ValueError("static batching does not fork samples (n > 1); "
+                             "use the continuous scheduler with the paged cache")
         self.waiting.append(request)
 
+    def _remove(self, request: Request) -> None:
+        if request in self.waiting:
+            self.waiting.remove(request)
+        # A request of the current batch becomes a padded lane, like a finished one.
+
+    def _release(self, request: Request) -> None:
+        """A finished lane keeps its row (and computes pad tokens) until the whole
+        batch is done; then every row of the batch is given back."""
+        if self.batch and all(r.is_finished for r in self.batch):
+            for r in self.batch:
+                self.kv_cache.free(r.request_id)
+            self.batch, self.next_position = [], {}
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting) or any(not r.is_finished for r in self.batch)
+
+    @property
+    def num_running(self) -> int:
+        return sum(not r.is_finished for r in self.batch)
+
+    # --- one step -------------------------------------------------------------------
     def _form_batch(self) -> None:
         """Take waiting requests in arrival order while the padded layout fits:
         at most ``max_num_seqs`` lanes and ``max(prompt) + max(max_tokens) <= max_model_len``."""
-        for req in self.batch:
-            self.kv_cache.free(req.request_id)
-        self.batch, self.next_position = [], {}
         longest_prompt = longest_output = 0
         while self.waiting and len(self.batch) < self.max_num_seqs:
             req = self.waiting[0]
@@ -49,8 +71,8 @@ class StaticScheduler(Scheduler):
         if self.batch:
             self.batch_id += 1
 
-    def schedule(self) -> SchedulerOutput:
-        if all(r.is_finished for r in self.batch):
+    def _schedule(self) -> SchedulerOutput:
+        if not self.batch:
             self._form_batch()
         out = SchedulerOutput(batch_id=self.batch_id)
         if not self.batch:
@@ -59,6 +81,9 @@ class StaticScheduler(Scheduler):
             # Prefill: every lane computes max(prompt) tokens; short prompts are padded.
             longest = max(r.num_prompt_tokens for r in self.batch)
             for r in self.batch:
+                if r.is_finished:           # ended before its prefill: a pad lane
+                    out.padding.append(PaddingWork(longest, 0, r, self.kv_cache.block_table(r.request_id)))
+                    continue
                 r.status = RequestStatus.RUNNING
                 out.scheduled.append(ScheduledRequest(r, r.num_prompt_tokens))
                 if r.num_prompt_tokens < longest:
@@ -74,18 +99,3 @@ class StaticScheduler(Scheduler):
                 out.padding.append(PaddingWork(1, pos, r, self.kv_cache.block_table(r.request_id)))
                 self.next_position[r.request_id] = pos + 1
         return out
-
-    def on_request_finished(self, request: Request) -> None:
-        pass  # the lane keeps its slot until the whole batch is done
-
-    def abort(self, request: Request) -> None:
-        if request in self.waiting:
-            self.waiting.remove(request)
-        # A request of the current batch becomes a padded lane, like a finished one.
-
-    def has_unfinished(self) -> bool:
-        return bool(self.waiting) or any(not r.is_finished for r in self.batch)
-
-    @property
-    def num_running(self) -> int:
-        return sum(not r.is_finished for r in self.batch)

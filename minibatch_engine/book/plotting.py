@@ -17,14 +17,14 @@ COLORS = {
     "prefill": "#4C72B0",      # blue: prompt tokens being computed
     "decode": "#55A868",       # green: one new token per step
     "pad": "#C44E52",          # red: compute spent on padding (waste)
-    "idle": "#EEEEEE",         # light grey: a slot with nothing in it
+    "idle": "#EEEEEE",         # light grey: a KV row or block with nothing in it
     "useful": "#55A868",
     "wasted": "#C44E52",
     "reserved": "#CCB974",     # sand: memory reserved but empty
     "static": "#8172B2",       # purple: static batching
     "continuous": "#DD8452",   # orange: iteration-level (continuous) batching
     "paged": "#64B5CD",        # cyan: paged KV cache
-    "slot": "#8C8C8C",         # grey: slot KV cache
+    "reserved": "#8C8C8C",     # grey: reserved KV cache
     "compute": "#4C72B0",
     "memory": "#DD8452",
     "waiting": "#DDDDDD",      # grey: queued, not yet started
@@ -60,17 +60,17 @@ def _axes(ax, figsize):
 
 def timeline(trace, ax=None, title: str | None = None, max_steps: int | None = None,
              figsize=(8, 3)):
-    """Gantt-like view of KV slots (rows) over steps (columns): what each slot
+    """Gantt-like view of KV rows or first blocks (y) over steps (x): what each
     computed in each step: prefill, decode, padding, or nothing."""
     steps = trace.steps[:max_steps] if max_steps else trace.steps
-    slots = sorted({lane.slot for s in steps for lane in s.lanes if lane.slot >= 0})
-    row = {slot: i for i, slot in enumerate(slots)}
-    grid = np.zeros((max(len(slots), 1), max(len(steps), 1)), dtype=int)
+    places = sorted({lane.first_block for s in steps for lane in s.lanes if lane.first_block >= 0})
+    row = {b: i for i, b in enumerate(places)}
+    grid = np.zeros((max(len(places), 1), max(len(steps), 1)), dtype=int)
     for j, s in enumerate(steps):
         for lane in s.lanes:
-            if lane.slot >= 0:
+            if lane.first_block >= 0:
                 # a prefill lane that also carries pad tokens shows as prefill
-                r = row[lane.slot]
+                r = row[lane.first_block]
                 if grid[r, j] == 0 or lane.kind != "pad":
                     grid[r, j] = LANE_KINDS.index(lane.kind)
     fig, ax = _axes(ax, figsize)
@@ -78,7 +78,7 @@ def timeline(trace, ax=None, title: str | None = None, max_steps: int | None = N
     ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=cmap, vmin=0, vmax=len(LANE_KINDS) - 1,
               extent=(-0.5, grid.shape[1] - 0.5, grid.shape[0] - 0.5, -0.5))
     ax.set_xlabel("engine step")
-    ax.set_ylabel("KV slot")
+    ax.set_ylabel("KV row / first block")
     ax.grid(False)
     ax.legend(handles=[Patch(color=COLORS[k], label=k) for k in LANE_KINDS[1:]],
               loc="upper left", bbox_to_anchor=(1.0, 1.0))

@@ -1,4 +1,4 @@
-"""Batch efficiency eta: useful token-slots over computed token-slots.
+"""Batch efficiency eta: useful token positions over computed token positions.
 
 Two closed forms for one static batch of B requests with prompt lengths p_i and
 output lengths g_i:
@@ -33,7 +33,7 @@ def eta_textbook(batch: Sequence[tuple[int, int]]) -> float:
     return sum(p + g for p, g in batch) / (len(batch) * max(p + g for p, g in batch))
 
 
-def padded_slots(batch: Sequence[tuple[int, int]]) -> tuple[int, int]:
+def padded_token_counts(batch: Sequence[tuple[int, int]]) -> tuple[int, int]:
     """(useful, computed) token rows of the padded layout of one batch."""
     _check(batch)
     P, G = max(p for p, _ in batch), max(g for _, g in batch)
@@ -42,7 +42,7 @@ def padded_slots(batch: Sequence[tuple[int, int]]) -> tuple[int, int]:
 
 def eta_padded(batch: Sequence[tuple[int, int]]) -> float:
     """sum(p + g - 1) / (B * (P + G - 1)): the layout padded ``generate`` computes."""
-    useful, computed = padded_slots(batch)
+    useful, computed = padded_token_counts(batch)
     return useful / computed
 
 
@@ -55,9 +55,9 @@ def eta_run(lengths: Sequence[tuple[int, int]], batch_size: int, form: str = "pa
     """eta of a whole run of consecutive batches: total useful over total computed."""
     batches = split_batches(lengths, batch_size)
     if form == "padded":
-        slots = [padded_slots(b) for b in batches]
+        counts = [padded_token_counts(b) for b in batches]
     elif form == "textbook":
-        slots = [(sum(p + g for p, g in b), len(b) * max(p + g for p, g in b)) for b in batches]
+        counts = [(sum(p + g for p, g in b), len(b) * max(p + g for p, g in b)) for b in batches]
     else:
         raise ValueError(f"form must be 'padded' or 'textbook', got {form!r}")
-    return sum(u for u, _ in slots) / sum(c for _, c in slots)
+    return sum(u for u, _ in counts) / sum(c for _, c in counts)

@@ -1,0 +1,6 @@
+"""Model runners: the real model (ModelRunner) or a cost model only (SimRunner)."""
+from .base import Runner, RunnerOutput
+from .model_runner import ModelRunner
+from .sim_runner import SimRunner
+
+__all__ = ["Runner", "RunnerOutput", "ModelRunner", "SimRunner"]

@@ -1,0 +1,99 @@
+"""ModelRunner: turns a SchedulerOutput into tensors and runs the real model.
+
+Per step it builds, on the host, the flat ``input_ids`` and ``positions`` of
+every new token and the attention metadata (lengths, block tables,
+``slot_mapping``), copies them to the model's device once, runs one forward
+over the whole ragged batch and samples. The only device-to-host copy is the
+sampled token ids, which the scheduler needs.
+
+The runner owns the sampling state: one ``torch.Generator`` per seeded request,
+keyed by request id and dropped when the scheduler reports the request
+finished, so a seeded request draws the same tokens whatever it is batched
+with. It reads requests and never changes them.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from ..attention import AttentionMetadata
+from ..model.config import PAD_ID
+from ..sampling import sample
+from ..scheduler.base import SchedulerOutput
+from .base import Runner, RunnerOutput, sampling_rows
+
+
+class ModelRunner(Runner):
+    def __init__(self, model, kv_cache, pad_token_id: int | None = None):
+        self.model, self.kv_cache = model, kv_cache
+        self.device = model.device
+        self.pad_token_id = PAD_ID if pad_token_id is None else pad_token_id
+        if self.pad_token_id >= model.config.vocab_size:
+            self.pad_token_id = 0
+        self.generators: dict[str, torch.Generator] = {}   # request id -> its sampling RNG
+
+    def prepare_inputs(self, sched: SchedulerOutput):
+        """(input_ids, positions, attention metadata) of the step, on the device."""
+        ids: list[int] = []
+        positions: list[int] = []
+        query_lens, seq_lens, tables = [], [], []
+        for s in sched.scheduled:
+            ids += s.request.all_token_ids[s.start:s.start + s.num_tokens]
+            positions += range(s.start, s.start + s.num_tokens)
+            query_lens.append(s.num_tokens)
+            seq_lens.append(s.start + s.num_tokens)
+            tables.append(self.kv_cache.block_table(s.request_id))
+        null = self.kv_cache.pool.null_block
+        for p in sched.padding:
+            ids += [self.pad_token_id] * p.num_tokens
+            positions += range(p.start_position, p.start_position + p.num_tokens)
+            query_lens.append(p.num_tokens)
+            seq_lens.append(p.start_position + p.num_tokens)
+            n_blocks = -(-(p.start_position + p.num_tokens) // self.kv_cache.block_size)
+            tables.append(p.block_table if p.block_table is not None else [null] * n_blocks)
+        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.kv_cache.block_size,
+                                       device=self.device)
+        input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
+        pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
+        return input_ids, pos, meta
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def _generator(self, request) -> torch.Generator | None:
+        """The request's own RNG, created from its seed on first use (None: unseeded)."""
+        seed = request.sampling_params.seed
+        if seed is None:
+            return None
+        gen = self.generators.get(request.request_id)
+        if gen is None:
+            gen = self.generators[request.request_id] = torch.Generator(device=self.device).manual_seed(seed)
+        return gen
+
+    @torch.no_grad()
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        for rid in sched.finished_request_ids:
+            self.generators.pop(rid, None)
+        out = RunnerOutput()
+        if sched.is_empty:
+            return out
+        input_ids, positions, meta = self.prepare_inputs(sched)
+        t0 = time.perf_counter()
+        logits = self.model(input_ids, positions, meta, self.kv_cache)
+        self._sync()
+        t1 = time.perf_counter()
+        # One row of the step's logits per sampling request; the samples forked
+        # from an n > 1 request draw from their parent's row.
+        rows, seqs = [], []
+        for i, s in sampling_rows(sched):
+            for seq in [s.request, *s.forks]:
+                rows.append(i)
+                seqs.append(seq)
+        if rows:
+            tokens = sample(logits[rows], [r.sampling_params for r in seqs],
+                            [self._generator(r) for r in seqs]).tolist()
+            out.sampled_token_ids = {r.request_id: [t] for r, t in zip(seqs, tokens)}
+        out.forward_s, out.sample_s = t1 - t0, time.perf_counter() - t1
+        return out
