@@ -85,7 +85,7 @@ lab: $(LAB_STAMP)  ## JupyterLab on chapters/ (LAB_ARGS="--port 8889 --no-browse
 gpu-check: $(STAMP)  ## the CUDA tests (pytest -m cuda; needs a GPU)
 	$(PY) -m pytest -q -m cuda tests
 
-clean:  ## remove _build (the venv and node_modules stay)
+clean:  ## remove _build (.venv, .venv-setupcheck and node_modules stay)
 	rm -rf _build
 
 # --- the website's browser libraries, served from the site itself (no CDN) ---
