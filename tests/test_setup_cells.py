@@ -10,9 +10,14 @@ so it cannot tell; this test builds a second virtualenv that has only that:
     pip install torch==<the version in this venv>   (TORCH_INDEX, if set, as --index-url)
     pip install -e . ipykernel nbclient             (base dependencies only, no extras)
 
-once, and keeps it (gitignored) until pyproject.toml or the torch version
-changes. Building it takes about a minute here (torch from a local wheel);
-the cells then take a few seconds each. For every chapter notebook it runs
+once, and keeps it (gitignored) until pyproject.toml, the torch version or
+TORCH_INDEX changes. Building it takes about a minute to a minute and a half
+on two busy cores with torch from a local wheel; the cells then take a few
+seconds each. The check needs no GPU: on a CUDA machine, run
+`make test TORCH_INDEX=https://download.pytorch.org/whl/cpu` (make passes it
+on to this test) so that this venv gets the small CPU build of torch; without
+it pip takes the same torch release from PyPI (a CUDA build on Linux, served
+from pip's cache when .venv got the same one). For every chapter notebook it runs
 the first code cell in a fresh kernel of that environment, in chapters/, and
 reports the notebook, the cell and the error.
 """
