@@ -1,63 +1,91 @@
 # minibatch-engine: the two README commands are `make book` and `make test`.
+# `make help` lists every target.
 VENV    ?= .venv
 PY      := $(VENV)/bin/python
-# torch is pinned here only for the setup: on a machine with a local CPU wheel of
-# 2.13.0 it installs in seconds; elsewhere pip fetches the platform's build of that
-# release (CUDA on Linux). Override with `make TORCH_SPEC=torch ...` to take the newest.
-TORCH_SPEC ?= torch==2.13.0
+# The torch the setup installs when .venv has none. The pin is the release the
+# stored notebook outputs were produced with (nbval compares them); the package
+# itself asks only for torch>=2.1 (pyproject.toml). TORCH_INDEX picks the wheel
+# index: https://download.pytorch.org/whl/cpu gives the CPU-only build (a few
+# hundred MB instead of the multi-GB CUDA build that PyPI serves on Linux).
+#   make TORCH_INDEX=https://download.pytorch.org/whl/cpu test
+#   make TORCH_SPEC=torch book          # the newest release instead of the pin
+# A torch already in .venv is kept, whatever these say.
+TORCH_SPEC  ?= torch==2.13.0
+TORCH_INDEX ?=
 STAMP   := $(VENV)/.installed
+LAB_STAMP := $(VENV)/.lab-installed
 NOTEBOOKS := $(sort $(wildcard chapters/[0-9]*.ipynb))
 JB      := $(VENV)/bin/jupyter-book
 SANITIZE := tests/nbval_sanitize.cfg
+# JupyterLab refuses to start as root (containers, cloud boxes) without this.
+LAB_ROOT := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
+LAB_ARGS ?=
 
-.PHONY: help install book test unit nbval build notebooks lab bench gpu-check clean
+.PHONY: help install book build test unit nbval notebooks lab gpu-check clean
 .PHONY: site-assets check-site site-check-if-browser
 
-help:
-	@echo "make book       build the website into _build/html (creates .venv if missing)"
-	@echo "make test       unit tests, nbval over every chapter, the -W book build"
-	@echo "make notebooks  re-execute every chapter in place (fresh stored outputs)"
-	@echo "make lab        open the chapters in JupyterLab"
-	@echo "make gpu-check  the CUDA checks (needs a GPU)"
-	@echo "make check-site build, then open every page in headless Chromium, offline"
+help:  ## this list
+	@echo "make [target] [VAR=value ...]"
+	@echo
+	@grep -E '^[a-z][a-z-]*:.*## ' $(MAKEFILE_LIST) | sed -E 's/^([a-z-]+):.*## (.*)/  \1\t\2/' | expand -t 24
+	@echo
+	@echo "variables: TORCH_SPEC ($(TORCH_SPEC)), TORCH_INDEX (a pip index URL for torch),"
+	@echo "           LAB_ARGS (extra jupyter lab options), CHROMIUM (browser path, $(CHROMIUM))"
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install "$(TORCH_SPEC)"
+	$(PY) -c "import torch" 2>/dev/null || \
+	  $(PY) -m pip install "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(PY) -m pip install -e ".[book,test]"
 	touch $(STAMP)
 
-install: $(STAMP)
+install: $(STAMP)  ## create .venv and install the package with its book and test extras
 
-build: $(STAMP) site-assets
+build: $(STAMP) site-assets  ## build the website into _build/html (warnings are errors)
 	$(JB) build . --builder html -W -n --keep-going
 
-book: build
+book: build  ## build the website and print where it is
 	@echo
 	@echo "The book is built: open file://$(CURDIR)/_build/html/index.html"
 
-unit: $(STAMP)
+unit: $(STAMP)  ## unit, property and equivalence tests (pytest tests/)
 	$(PY) -m pytest -q -p no:cacheprovider tests
 
-nbval: $(STAMP)
-	$(PY) -m pytest -q -p no:cacheprovider --nbval --nbval-sanitize-with $(SANITIZE) $(NOTEBOOKS)
-
-test: unit nbval build site-check-if-browser
-
-notebooks: $(STAMP)
+# One pytest per notebook, so each chapter's name shows as it starts (with its
+# time at the end); every notebook runs even when one fails, and the target
+# fails at the end, naming the ones that failed.
+nbval: $(STAMP)  ## re-run every chapter and compare with its stored outputs
+	@failed=""; n=0; total=$(words $(NOTEBOOKS)); \
 	for nb in $(NOTEBOOKS); do \
+	  n=$$((n + 1)); t0=$$(date +%s); \
+	  echo "nbval [$$n/$$total] $$nb"; \
+	  $(PY) -m pytest -q -p no:cacheprovider --nbval --nbval-sanitize-with $(SANITIZE) $$nb \
+	    || failed="$$failed $$nb"; \
+	  echo "nbval [$$n/$$total] $$nb: $$(( $$(date +%s) - t0 )) s"; \
+	done; \
+	if [ -n "$$failed" ]; then echo "nbval failed:$$failed"; exit 1; fi
+
+test: unit nbval build site-check-if-browser  ## unit tests, nbval, the -W build, the browser check
+
+notebooks: $(STAMP)  ## re-execute every chapter in place (fresh stored outputs)
+	for nb in $(NOTEBOOKS); do \
+	  echo "executing $$nb"; \
 	  $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace \
 	    --ExecutePreprocessor.record_timing=False --ExecutePreprocessor.timeout=1200 $$nb || exit 1; \
 	done
 
-lab: $(STAMP)
-	$(PY) -m pip install -q "jupyterlab>=4"
-	$(VENV)/bin/jupyter lab chapters/
+# The `lab` extra is installed once (a stamp), not on every call.
+$(LAB_STAMP): $(STAMP)
+	$(PY) -m pip install -e ".[lab]"
+	touch $(LAB_STAMP)
 
-gpu-check: $(STAMP)
+lab: $(LAB_STAMP)  ## JupyterLab on chapters/ (LAB_ARGS="--port 8889 --no-browser"; root adds --allow-root)
+	$(VENV)/bin/jupyter lab $(LAB_ROOT) $(LAB_ARGS) chapters/
+
+gpu-check: $(STAMP)  ## the CUDA tests (pytest -m cuda; needs a GPU)
 	$(PY) -m pytest -q -m cuda tests
 
-clean:
+clean:  ## remove _build (.venv, .venv-setupcheck and node_modules stay)
 	rm -rf _build
 
 # --- the website's browser libraries, served from the site itself (no CDN) ---
@@ -73,18 +101,18 @@ $(NODE_STAMP): package.json package-lock.json
 	npm ci --no-audit --no-fund --ignore-scripts
 	touch $@
 
-site-assets: $(NODE_STAMP)
+site-assets: $(NODE_STAMP)  ## npm ci for the site's MathJax and widget libraries (once)
 
 # Every page in headless Chromium with the network blocked: math typeset, images
-# loaded, internal links and anchors resolve, widgets rendered, no JS errors.
-# Screenshots go to _build/screenshots/.
-check-site: build
+# loaded, internal links and anchors resolve, widgets rendered, no JS errors, no
+# code wider than its box at 1280 px. Screenshots go to _build/screenshots/.
+check-site: build  ## build, then open every page in headless Chromium, offline (CHROMIUM=path)
 	CHROMIUM=$(CHROMIUM) $(PY) tools/check_site.py _build/html
 
 # `make test` runs the browser check where a browser is installed (.ci/run installs one).
-site-check-if-browser: build
+site-check-if-browser: build  ## check-site when the browser (CHROMIUM) exists, else say it was skipped
 	@if [ -x $(CHROMIUM) ]; then \
 	  CHROMIUM=$(CHROMIUM) $(PY) tools/check_site.py _build/html; \
 	else \
-	  echo "check-site skipped: no browser at $(CHROMIUM) (apt-get install -y chromium)"; \
+	  echo "check-site skipped: no browser at $(CHROMIUM) (apt-get install -y chromium, or CHROMIUM=/path/to/chrome)"; \
 	fi

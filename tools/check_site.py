@@ -17,7 +17,10 @@ renders here renders with no network.  A page fails when:
 * a widget view (``application/vnd.jupyter.widget-view+json``) or a
   ``.jupyter-widgets`` element is still empty after the widget manager ran;
 * the page logs a JavaScript error (console error or uncaught exception), or
-  tries to reach the network at all.
+  tries to reach the network at all;
+* code is clipped at a 1280 px window: a code cell's source or output, or a
+  listing, is wider than its box (``scrollWidth > clientWidth`` of a ``pre``,
+  ``div.highlight`` or cell output area, collapsed cells opened first).
 
 Screenshots of the landing page and of every chapter go to
 ``_build/screenshots/`` (full page, height capped).  Prints one row per page
@@ -149,6 +152,37 @@ async (settleMs) => {
   for (const el of document.querySelectorAll("a[name]")) out.ids.push(el.getAttribute("name"));
   for (const a of document.querySelectorAll("a[href]")) {
     out.links.push({href: a.href, raw: a.getAttribute("href")});
+  }
+  return out;
+}
+"""
+
+
+# Runs after the screenshot: opens every collapsed block (hide-input cells,
+# dropdowns) so hidden code is measured too, then lists each code box whose
+# content is wider than the box itself (it would scroll or be clipped).
+OVERFLOW_PROBE = r"""
+() => {
+  document.querySelectorAll("details").forEach((d) => { d.open = true; });
+  const boxes = ".bd-article pre, .bd-article div.highlight, .bd-article .cell_output, "
+              + ".bd-article .cell_output .output, .bd-article .cell_output .pst-scrollable-table-container";
+  const out = [];
+  const seen = new Set();
+  for (const el of document.querySelectorAll(boxes)) {
+    if (el.getClientRects().length === 0) continue;  // not rendered
+    const over = el.scrollWidth - el.clientWidth;
+    if (over <= 1) continue;  // 1 px: sub-pixel rounding
+    // report the innermost box once (a pre inside its div.highlight overflows both)
+    const inner = el.querySelector("pre") && el.querySelector("pre").scrollWidth - el.querySelector("pre").clientWidth > 1
+      ? el.querySelector("pre") : el;
+    if (seen.has(inner)) continue;
+    seen.add(inner);
+    const where = inner.closest(".cell_output") ? "cell output"
+                : inner.closest(".cell_input") ? "cell source" : "listing";
+    const lines = (inner.textContent || "").split("\n");
+    const widest = lines.reduce((a, b) => (b.length > a.length ? b : a), "");
+    out.push({where, over, width: inner.clientWidth, columns: widest.length,
+              snippet: widest.trim().slice(0, 70)});
   }
   return out;
 }
@@ -309,6 +343,13 @@ async def check_page(browser, site: Path, page_path: Path, shots: Path | None) -
         clip = {"x": 0, "y": 0, "width": VIEWPORT["width"], "height": min(height, SCREENSHOT_MAX_HEIGHT)}
         await page.screenshot(path=str(shots / name), full_page=True, clip=clip)
         res.screenshot = str((shots / name))
+    try:
+        for o in await page.evaluate(OVERFLOW_PROBE):
+            res.problems.append(
+                f"code wider than its box at {VIEWPORT['width']} px ({o['where']}, "
+                f"{o['columns']} columns, {o['over']} px past a {o['width']} px box): {o['snippet']!r}")
+    except Exception as exc:  # noqa: BLE001 - report, don't crash the run
+        res.problems.append(f"could not measure code widths: {exc}")
     # late failures: web fonts load when first drawn (after the probe, and
     # the screenshot draws the whole page)
     try:

@@ -1,0 +1,166 @@
+"""The repository around the engine: Makefile targets, workflows, metadata files,
+the architecture page. Fast checks (make -n, a fake pytest, file parsing)."""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+yaml = pytest.importorskip("yaml")
+
+needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+
+
+def make(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
+    return subprocess.run(["make", "--no-print-directory", *args], cwd=cwd, capture_output=True, text=True)
+
+
+def phony_targets() -> list[str]:
+    text = (ROOT / "Makefile").read_text()
+    return [t for line in re.findall(r"^\.PHONY:(.*)$", text, re.M) for t in line.split()]
+
+
+@pytest.fixture
+def fake_venv(tmp_path: Path) -> Path:
+    """A VENV whose install stamp is up to date, so make runs no pip."""
+    venv = tmp_path / "venv"
+    venv.mkdir()
+    (venv / ".installed").touch()
+    (venv / ".lab-installed").touch()
+    return venv
+
+
+# --- Makefile ---------------------------------------------------------------
+
+@needs_make
+def test_make_help_lists_every_target():
+    out = make("-s", "help")
+    assert out.returncode == 0, out.stderr
+    listed = set(re.findall(r"^  ([a-z][a-z-]*)\s", out.stdout, re.M))
+    missing = [t for t in phony_targets() if t not in listed]
+    assert not missing, f"`make help` does not list: {missing}"
+    # and every target it lists is a real one
+    assert listed <= set(phony_targets()), listed - set(phony_targets())
+
+
+@needs_make
+def test_make_lab_passes_lab_args_and_allows_root(fake_venv: Path):
+    out = make("-n", f"VENV={fake_venv}", "LAB_ARGS=--no-browser --port 8899", "lab")
+    assert out.returncode == 0, out.stderr
+    line = next(ln for ln in out.stdout.splitlines() if "jupyter lab" in ln)
+    assert "--no-browser --port 8899" in line
+    assert ("--allow-root" in line) == (os.geteuid() == 0), line
+    assert "pip install" not in out.stdout, "the lab extra is installed once (a stamp), not every call"
+
+
+@needs_make
+def test_make_install_uses_torch_index(tmp_path: Path):
+    out = make("-n", f"VENV={tmp_path / 'new'}", f"TORCH_INDEX={CPU_INDEX}", "install")
+    assert out.returncode == 0, out.stderr
+    assert f"--index-url {CPU_INDEX}" in out.stdout
+    assert "torch==" in out.stdout  # the pin stays the default
+
+
+@needs_make
+def test_make_nbval_names_each_notebook_and_fails_at_the_end(fake_venv: Path, tmp_path: Path):
+    fake = tmp_path / "fakepy"
+    fake.write_text('#!/bin/sh\necho "ran $*"\ncase "$*" in *bad*) exit 1;; esac\n')
+    fake.chmod(0o755)
+    out = make("-s", f"VENV={fake_venv}", f"PY={fake}", "NOTEBOOKS=x/a.ipynb x/bad.ipynb x/c.ipynb", "nbval")
+    assert out.returncode != 0
+    lines = out.stdout.splitlines()
+    for i, nb in enumerate(["x/a.ipynb", "x/bad.ipynb", "x/c.ipynb"], 1):
+        assert f"nbval [{i}/3] {nb}" in lines
+    assert sum("--nbval" in ln for ln in lines) == 3, "one pytest per notebook, all of them run"
+    assert "nbval failed: x/bad.ipynb" in lines
+
+
+# --- workflows ----------------------------------------------------------------
+
+def workflow(name: str) -> dict:
+    return yaml.safe_load((ROOT / ".github" / "workflows" / name).read_text())
+
+
+@pytest.mark.parametrize("name", ["book.yml", "test.yml"])
+def test_workflows_install_cpu_torch(name: str):
+    wf = workflow(name)
+    envs = [wf.get("env", {})] + [job.get("env", {}) for job in wf["jobs"].values()]
+    assert any(e.get("TORCH_INDEX") == CPU_INDEX for e in envs), f"{name} must set TORCH_INDEX={CPU_INDEX}"
+
+
+def test_test_workflow_runs_make_test():
+    steps = workflow("test.yml")["jobs"]["test"]["steps"]
+    runs = " ".join(s.get("run", "") for s in steps)
+    assert ".ci/run" in runs or "make test" in runs
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("sed") is None, reason="needs bash and sed")
+def test_pages_workflow_points_links_at_its_repository(tmp_path: Path):
+    steps = workflow("book.yml")["jobs"]["build"]["steps"]
+    step = next(s for s in steps if "_config.yml" in s.get("run", ""))
+    original = (ROOT / "_config.yml").read_text()
+    (tmp_path / "_config.yml").write_text(original)
+    env = dict(os.environ, GITHUB_SERVER_URL="https://github.com", GITHUB_REPOSITORY="someone/a-fork",
+               GITHUB_REF_NAME="main")
+    proc = subprocess.run(["bash", "-e", "-c", step["run"]], cwd=tmp_path, env=env,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    new = (tmp_path / "_config.yml").read_text()
+    cfg = yaml.safe_load(new)
+    assert cfg["repository"] == {"url": "https://github.com/someone/a-fork", "branch": "main"}
+    changed = [(a, b) for a, b in zip(original.splitlines(), new.splitlines()) if a != b]
+    assert len(changed) <= 2 and all(a.startswith(("  url:", "  branch:")) for a, _ in changed), changed
+
+
+# --- metadata files -----------------------------------------------------------
+
+def pyproject_field(name: str) -> str:
+    m = re.search(rf'^{name}\s*=\s*(?:\{{\s*text\s*=\s*)?"([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert m, name
+    return m.group(1)
+
+
+def test_license_matches_pyproject():
+    assert pyproject_field("license") == "MIT"
+    assert (ROOT / "LICENSE").read_text().startswith("MIT License")
+
+
+def test_citation_cff():
+    cff = yaml.safe_load((ROOT / "CITATION.cff").read_text())
+    for key in ("cff-version", "message", "title", "authors"):
+        assert cff.get(key), f"CITATION.cff needs {key}"
+    assert cff["license"] == "MIT"
+    assert str(cff["version"]) == pyproject_field("version")
+    config = yaml.safe_load((ROOT / "_config.yml").read_text())
+    assert cff["repository-code"] == config["repository"]["url"]
+
+
+def test_gitignore():
+    lines = (ROOT / ".gitignore").read_text().splitlines()
+    for entry in ("build/", ".venv-setupcheck/", "_build/"):
+        assert entry in lines, entry
+
+
+# --- the architecture page ----------------------------------------------------------
+
+def test_architecture_page_in_toc_and_linked():
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    files = [c["file"] for part in toc["parts"] for c in part["chapters"]]
+    assert "book/architecture" in files
+    assert "book/architecture.md" in (ROOT / "README.md").read_text()
+    assert "{doc}`architecture`" in (ROOT / "book" / "intro.md").read_text()
+
+
+def test_architecture_page_names_real_paths():
+    """Every package path the page names exists: the page follows the code."""
+    text = (ROOT / "book" / "architecture.md").read_text()
+    paths = set(re.findall(r"`([a-z_]+/(?:[a-z_]+\.py)?|[a-z_]+\.py)`", text)) - {"minibatch_engine/"}
+    assert len(paths) > 10
+    missing = sorted(p for p in paths if not (ROOT / "minibatch_engine" / p).exists())
+    assert not missing, f"book/architecture.md names paths missing from minibatch_engine/: {missing}"

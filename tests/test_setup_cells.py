@@ -1,0 +1,147 @@
+"""Each chapter's setup cell runs with only the package's base install + Jupyter.
+
+That is what a reader of a hosted notebook (Colab, Binder) or of a plain
+`pip install minibatch-engine` has: the dependencies in pyproject.toml's
+``[project] dependencies`` and a kernel, none of the ``[book]`` extra (no
+jupyter-book, no myst_nb). The book's own environment (.venv) has all of it,
+so it cannot tell; this test builds a second virtualenv that has only that:
+
+    python -m venv .venv-setupcheck
+    pip install torch==<the version in this venv>   (TORCH_INDEX, if set, as --index-url)
+    pip install -e . ipykernel nbclient             (base dependencies only, no extras)
+
+once, and keeps it (gitignored) until pyproject.toml, the torch version or
+TORCH_INDEX changes. Building it takes about a minute to a minute and a half
+on two busy cores with torch from a local wheel; the cells then take a few
+seconds each. The check needs no GPU: on a CUDA machine, run
+`make test TORCH_INDEX=https://download.pytorch.org/whl/cpu` (make passes it
+on to this test) so that this venv gets the small CPU build of torch; without
+it pip takes the same torch release from PyPI (a CUDA build on Linux, served
+from pip's cache when .venv got the same one). For every chapter notebook it runs
+the first code cell in a fresh kernel of that environment, in chapters/, and
+reports the notebook, the cell and the error.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+CHECK_VENV = ROOT / ".venv-setupcheck"
+NOTEBOOKS = sorted((ROOT / "chapters").glob("[0-9]*.ipynb"))
+# the book-only packages that must NOT be importable there
+BOOK_ONLY = ["myst_nb", "jupyter_book", "nbval"]
+
+pytestmark = pytest.mark.slow
+
+# Runs inside the check environment: executes one notebook's first code cell.
+RUNNER = textwrap.dedent(
+    """
+    import json, sys
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
+
+    path = sys.argv[1]
+    nb = nbformat.read(path, as_version=4)
+    index = next(i for i, c in enumerate(nb.cells) if c.cell_type == "code")
+    cell = nb.cells[index]
+    # a second cell reports which Python the kernel runs (it must be this venv's)
+    probe = nbformat.v4.new_code_cell("import sys; print(sys.prefix)")
+    one = nbformat.v4.new_notebook(cells=[cell, probe], metadata=nb.metadata)
+    client = NotebookClient(one, timeout=600, kernel_name="python3",
+                            resources={"metadata": {"path": sys.argv[2]}})
+    result = {"index": index, "source": cell.source}
+    try:
+        client.execute()
+    except CellExecutionError as exc:
+        result.update(ok=False, ename=exc.ename, evalue=exc.evalue)
+    else:
+        text = "".join(o.get("text", "") for o in one.cells[1].outputs)
+        result.update(ok=True, prefix=text.strip())
+    print("SETUPCHECK " + json.dumps(result))
+    """
+)
+
+
+def _bin(name: str) -> Path:
+    sub = "Scripts" if os.name == "nt" else "bin"
+    return CHECK_VENV / sub / name
+
+
+def _clean_env() -> dict[str, str]:
+    """The environment of a fresh shell in the check venv: nothing inherited
+    from the book's venv or from PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "JUPYTER_PATH")}
+    env["VIRTUAL_ENV"] = str(CHECK_VENV)
+    env["PATH"] = str(_bin("python").parent) + os.pathsep + env.get("PATH", "")
+    return env
+
+
+def _run(cmd: list[str], what: str) -> None:
+    proc = subprocess.run(cmd, cwd=ROOT, env=_clean_env(), capture_output=True, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-25:])
+        raise RuntimeError(f"building {CHECK_VENV.name}: {what} failed (exit {proc.returncode}):\n"
+                           f"$ {' '.join(cmd)}\n{tail}")
+
+
+@pytest.fixture(scope="session")
+def check_python() -> Path:
+    import torch
+
+    torch_version = torch.__version__.split("+")[0]
+    torch_index = os.environ.get("TORCH_INDEX", "")
+    key = hashlib.sha256(((ROOT / "pyproject.toml").read_bytes()
+                          + f"|{torch_version}|{torch_index}|{sys.version_info[:2]}".encode())).hexdigest()
+    stamp = CHECK_VENV / ".setupcheck-key"
+    py = _bin("python")
+    if not (py.exists() and stamp.exists() and stamp.read_text() == key):
+        if CHECK_VENV.exists():
+            import shutil
+
+            shutil.rmtree(CHECK_VENV)
+        _run([sys.executable, "-m", "venv", str(CHECK_VENV)], "python -m venv")
+        pip = [str(py), "-m", "pip", "install", "-q", "--disable-pip-version-check"]
+        _run(pip + [f"torch=={torch_version}"] + (["--index-url", torch_index] if torch_index else []),
+             "installing torch")
+        _run(pip + ["-e", str(ROOT), "ipykernel", "nbclient"], "installing the package (base install)")
+        stamp.write_text(key)
+    # the point of the exercise: the book's extras are absent
+    probe = subprocess.run(
+        [str(py), "-c", "import importlib.util, json, sys; "
+                        f"print(json.dumps([m for m in {BOOK_ONLY!r} if importlib.util.find_spec(m)]))"],
+        cwd=ROOT, env=_clean_env(), capture_output=True, text=True, check=True)
+    leaked = json.loads(probe.stdout)
+    assert not leaked, f"{CHECK_VENV.name} must have only the base install, but it has {leaked}"
+    return py
+
+
+@pytest.mark.parametrize("notebook", NOTEBOOKS, ids=[nb.stem for nb in NOTEBOOKS])
+def test_setup_cell_runs_with_base_install(check_python: Path, notebook: Path):
+    proc = subprocess.run([str(check_python), "-c", RUNNER, str(notebook), str(notebook.parent)],
+                          cwd=notebook.parent, env=_clean_env(), capture_output=True, text=True,
+                          timeout=900)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("SETUPCHECK ")]
+    if not lines:
+        pytest.fail(f"{notebook.name}: could not run its setup cell in {CHECK_VENV.name} "
+                    f"(exit {proc.returncode}):\n{proc.stderr.strip()[-3000:]}")
+    result = json.loads(lines[-1][len("SETUPCHECK "):])
+    if result["ok"]:
+        assert Path(result["prefix"]).resolve() == CHECK_VENV.resolve(), (
+            f"{notebook.name}: the kernel ran in {result['prefix']}, not in {CHECK_VENV}")
+    if not result["ok"]:
+        first = "\n".join("    " + ln for ln in result["source"].splitlines()[:12])
+        pytest.fail(
+            f"{notebook.relative_to(ROOT)}: its setup cell (notebook cell {result['index']}, the first "
+            f"code cell) fails with only `pip install minibatch-engine` + Jupyter:\n"
+            f"  {result['ename']}: {result['evalue']}\n  the cell begins:\n{first}",
+            pytrace=False)
