@@ -50,8 +50,8 @@ class TritonBackend(AttentionBackend):
         G = Hq // Hkv
         paged = k_cache is not None
         k_src, v_src = (k_cache, v_cache) if paged else (k, v)
-        if k_src.stride(-1) != 1 or q.stride(-1) != 1 or k_src.stride() != v_src.stride():
-            raise ValueError("triton attention needs the head dimension contiguous and K, V alike")
+        if any(t.stride(-1) != 1 for t in (q, k_src, v_src)):
+            raise ValueError("triton attention needs q, k and v with a contiguous head dimension")
         rows = meta.max_query_len * G
         block_m = 16 if rows <= 16 else self.block_m
         out = torch.empty_like(q)
@@ -59,7 +59,8 @@ class TritonBackend(AttentionBackend):
         grid = (meta.num_seqs, Hkv, triton.cdiv(rows, block_m))
         paged_attention_kernel[grid](
             q, k_src, v_src, out, bt, meta.seq_lens, meta.query_lens, meta.query_start_loc,
-            q.stride(0), q.stride(1), k_src.stride(0), k_src.stride(1), out.stride(0), out.stride(1),
+            q.stride(0), q.stride(1), k_src.stride(0), k_src.stride(1), v_src.stride(0), v_src.stride(1),
+            out.stride(0), out.stride(1),
             bt.stride(0),
             G=G, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)),
             BLOCK_M=block_m, BLOCK_N=self.block_n, BLOCK_SIZE=max(meta.block_size, 1),

@@ -38,7 +38,7 @@ import triton.language as tl
 def paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,
     block_tables_ptr, seq_lens_ptr, query_lens_ptr, query_start_ptr,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_ot, stride_oh, stride_bt,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     PAGED: tl.constexpr, ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -86,7 +86,7 @@ def paged_attention_kernel(
         alpha = tl.exp(m_i - m_new)                       # rescales what was summed so far
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + slot[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
+        v = tl.load(v_ptr + slot[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
                     mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(ACC_DTYPE)
         m_i = m_new
