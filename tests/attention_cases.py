@@ -1,7 +1,7 @@
 """Random ragged attention batches over a paged pool, shared by the backend tests."""
 import torch
 
-from minibatch_engine.attention import AttentionMetadata, get_attention_backend
+from minibatch_engine.attention import get_attention_backend
 
 
 def random_batch(gen: torch.Generator, kind: str, block_size: int, num_heads: int, num_kv_heads: int,
@@ -61,4 +61,4 @@ def assert_matches_reference(backend, case, cache=True, device="cpu"):
         assert torch.equal(kc.cpu(), rkc) and torch.equal(vc.cpu(), rvc)
 
 
-__all__ = ["random_batch", "run_backend", "reference", "assert_matches_reference", "AttentionMetadata"]
+__all__ = ["random_batch", "run_backend", "reference", "assert_matches_reference"]

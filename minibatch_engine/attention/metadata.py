@@ -7,7 +7,11 @@ context plus the new tokens) and where each new token's K/V goes in the cache
 (``slot_mapping``, a flat slot index = block * block_size + offset). With that, one
 forward serves a prefill, a decode step, a prefill chunk or any mix of them.
 
-Attention itself pads sequences to a common query and context length. To keep
+:class:`BatchMetadata` holds what every backend needs (:func:`batch_fields`
+checks and builds it); each backend extends it with its own layout and records
+itself in ``backend``. :class:`AttentionMetadata` is the reference backend's.
+
+The reference pads sequences to a common query and context length. To keep
 that padding small, sequences are split into *groups*: decode sequences (one
 query each) are padded only among themselves, and multi-token sequences
 (prefills, chunks) among themselves; a decode token is never padded to the

@@ -6,7 +6,8 @@ flat pool of slots per layer (``[num_slots, kv_heads, head_dim]``); a slot cache
 and a paged cache differ only in how the metadata's ``context_index`` was built
 from their block tables. Sequences are padded *inside attention only*, within
 their group (decodes with decodes, prefills with prefills); all other layers
-see the flat tokens.
+see the flat tokens. :class:`ReferenceBackend` is this function behind the
+backend interface: every faster backend is tested against it.
 """
 from __future__ import annotations
 
