@@ -7,7 +7,11 @@ context plus the new tokens) and where each new token's K/V goes in the cache
 (``slot_mapping``, a flat slot index = block * block_size + offset). With that, one
 forward serves a prefill, a decode step, a prefill chunk or any mix of them.
 
-Attention itself pads sequences to a common query and context length. To keep
+:class:`BatchMetadata` holds what every backend needs (:func:`batch_fields`
+checks and builds it); each backend extends it with its own layout and records
+itself in ``backend``. :class:`AttentionMetadata` is the reference backend's.
+
+The reference pads sequences to a common query and context length. To keep
 that padding small, sequences are split into *groups*: decode sequences (one
 query each) are padded only among themselves, and multi-token sequences
 (prefills, chunks) among themselves; a decode token is never padded to the
@@ -17,7 +21,7 @@ layers, so the layers only gather, multiply and scatter.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -34,94 +38,116 @@ class AttentionGroup:
     max_seq_len: int
 
 
-@dataclass
-class AttentionMetadata:
+@dataclass(kw_only=True)
+class BatchMetadata:
+    """What every attention backend needs to know about a step's ragged batch.
+
+    Built once per step on the host, moved to the device once, read by every
+    layer. Backends extend it with their own precomputed layout (the reference
+    adds padded groups; the fast CPU path adds length buckets) and record
+    themselves in ``backend``, so the model calls the backend that built it.
+    """
     query_lens: torch.Tensor        # [S] new tokens per sequence
     seq_lens: torch.Tensor          # [S] context length after this step's tokens
     query_start_loc: torch.Tensor   # [S+1] offsets of each sequence in the flat batch
     slot_mapping: torch.Tensor | None   # [T] cache slot of each new token (None: no cache)
     block_tables: torch.Tensor | None   # [S, max_blocks] physical block ids
     block_size: int
-    groups: list[AttentionGroup]    # decode sequences and multi-token sequences, padded apart
     logits_indices: torch.Tensor    # [S] the last new token of each sequence
     max_query_len: int
     max_seq_len: int
+    backend: Any = None             # the AttentionBackend whose forward reads this metadata
 
     @property
     def num_seqs(self) -> int:
         return int(self.query_lens.numel())
 
+
+def batch_fields(query_lens: Sequence[int], seq_lens: Sequence[int],
+                 block_tables: Sequence[Sequence[int]] | None, block_size: int) -> dict:
+    """Check a batch's lengths and block tables; return :class:`BatchMetadata`'s
+    fields as host tensors (``slot_mapping`` included: slot of the token at
+    position p of sequence s = ``block_tables[s][p // block_size] * block_size +
+    p % block_size``).
+
+    ``block_tables=None`` means "no cache": every sequence attends only to its
+    own new tokens (``seq_lens`` must equal ``query_lens``), as in a full
+    recompute. Otherwise the new tokens of sequence ``s`` occupy positions
+    ``seq_lens[s] - query_lens[s] ... seq_lens[s] - 1``.
+    """
+    if len(query_lens) != len(seq_lens) or len(query_lens) == 0:
+        raise ValueError("query_lens and seq_lens must be non-empty and of equal length")
+    for q, n in zip(query_lens, seq_lens):
+        if q <= 0 or n < q:
+            raise ValueError(f"bad lengths: query_len={q}, seq_len={n}")
+    S = len(query_lens)
+    ql = torch.tensor(list(query_lens), dtype=torch.long)
+    sl = torch.tensor(list(seq_lens), dtype=torch.long)
+    qstart = torch.zeros(S + 1, dtype=torch.long)
+    qstart[1:] = torch.cumsum(ql, 0)
+    bt = slot_mapping = None
+    if block_tables is None:
+        if any(q != n for q, n in zip(query_lens, seq_lens)):
+            raise ValueError("without a cache every sequence attends only to its new tokens")
+    else:
+        if block_size <= 0:
+            raise ValueError("block_size must be positive with block tables")
+        if len(block_tables) != S:
+            raise ValueError(f"{len(block_tables)} block tables for {S} sequences")
+        width = max(len(b) for b in block_tables)
+        for s, blocks in enumerate(block_tables):
+            need = -(-seq_lens[s] // block_size)
+            if len(blocks) < need:
+                raise ValueError(f"sequence {s} needs {need} blocks, block table has {len(blocks)}")
+        bt = torch.tensor([list(b) + [0] * (width - len(b)) for b in block_tables], dtype=torch.long)
+        seq_of_token = torch.repeat_interleave(torch.arange(S), ql)
+        pos = torch.arange(int(qstart[-1])) - qstart[seq_of_token] + (sl - ql)[seq_of_token]
+        slot_mapping = bt[seq_of_token, pos // block_size] * block_size + pos % block_size
+    return dict(query_lens=ql, seq_lens=sl, query_start_loc=qstart, slot_mapping=slot_mapping,
+                block_tables=bt, block_size=block_size, logits_indices=qstart[1:] - 1,
+                max_query_len=max(query_lens), max_seq_len=max(seq_lens))
+
+
+def to_device(fields: dict, device) -> dict:
+    """The same fields with every tensor moved to ``device`` (one copy each)."""
+    dev = torch.device(device)
+    return {k: v.to(dev, non_blocking=True) if isinstance(v, torch.Tensor) else v
+            for k, v in fields.items()}
+
+
+@dataclass(kw_only=True)
+class AttentionMetadata(BatchMetadata):
+    """The reference backend's metadata: the batch plus padded groups."""
+    groups: list[AttentionGroup]    # decode sequences and multi-token sequences, padded apart
+
     @classmethod
     def build(cls, query_lens: Sequence[int], seq_lens: Sequence[int],
               block_tables: Sequence[Sequence[int]] | None = None,
               block_size: int = 0, device: torch.device | str = "cpu") -> "AttentionMetadata":
-        """Build the metadata for a batch.
+        """Build the metadata for a batch (see :func:`batch_fields` for the
+        arguments). Decode sequences and multi-token sequences are padded apart."""
+        from .reference import REFERENCE   # the backend that reads this layout
 
-        ``block_tables=None`` means "no cache": every sequence attends only to its
-        own new tokens (``seq_lens`` must equal ``query_lens``), as in a full
-        recompute. Otherwise ``block_tables[s]`` lists the physical blocks of
-        sequence ``s`` and the new tokens occupy positions
-        ``seq_lens[s] - query_lens[s] ... seq_lens[s] - 1``.
-        """
-        if len(query_lens) != len(seq_lens) or len(query_lens) == 0:
-            raise ValueError("query_lens and seq_lens must be non-empty and of equal length")
-        for q, n in zip(query_lens, seq_lens):
-            if q <= 0 or n < q:
-                raise ValueError(f"bad lengths: query_len={q}, seq_len={n}")
+        fields = batch_fields(query_lens, seq_lens, block_tables, block_size)
+        ql, sl, qstart, bt = (fields[k] for k in ("query_lens", "seq_lens", "query_start_loc",
+                                                  "block_tables"))
         S = len(query_lens)
-        ql = torch.tensor(list(query_lens), dtype=torch.long)
-        sl = torch.tensor(list(seq_lens), dtype=torch.long)
-        qstart = torch.zeros(S + 1, dtype=torch.long)
-        qstart[1:] = torch.cumsum(ql, 0)
-
-        if block_tables is None:
-            if any(q != n for q, n in zip(query_lens, seq_lens)):
-                raise ValueError("without a cache every sequence attends only to its new tokens")
-            bt = None
-        else:
-            if block_size <= 0:
-                raise ValueError("block_size must be positive with block tables")
-            width = max(len(b) for b in block_tables)
-            bt = torch.zeros(S, width, dtype=torch.long)
-            for s, blocks in enumerate(block_tables):
-                need = -(-seq_lens[s] // block_size)
-                if len(blocks) < need:
-                    raise ValueError(f"sequence {s} needs {need} blocks, block table has {len(blocks)}")
-                bt[s, :len(blocks)] = torch.tensor(list(blocks), dtype=torch.long)
-
         decode = [s for s in range(S) if query_lens[s] == 1]
         multi = [s for s in range(S) if query_lens[s] > 1]
         parts = [g for g in (decode, multi) if g]
-        groups, slot_parts = [], []
-        for seqs in parts:
-            group, slots = _build_group(seqs, ql, sl, qstart, bt, block_size, whole=len(parts) == 1)
-            groups.append(group)
-            slot_parts.append((group.token_index, slots))
-        slot_mapping = None
-        if bt is not None:
-            slot_mapping = torch.empty(int(qstart[-1]), dtype=torch.long)
-            for tok, slots in slot_parts:
-                if tok is None:
-                    slot_mapping = slots
-                else:
-                    slot_mapping[tok] = slots
-
+        groups = [_build_group(seqs, ql, sl, qstart, bt, block_size, whole=len(parts) == 1)
+                  for seqs in parts]
         dev = torch.device(device)
         move = lambda t: None if t is None else t.to(dev, non_blocking=True)  # noqa: E731
         for g in groups:
             g.token_index, g.query_index = move(g.token_index), move(g.query_index)
             g.context_index, g.mask = move(g.context_index), move(g.mask)
-        return cls(
-            query_lens=move(ql), seq_lens=move(sl), query_start_loc=move(qstart),
-            slot_mapping=move(slot_mapping), block_tables=move(bt), block_size=block_size,
-            groups=groups, logits_indices=move(qstart[1:] - 1),
-            max_query_len=max(query_lens), max_seq_len=max(seq_lens),
-        )
+        return cls(**to_device(fields, dev), groups=groups, backend=REFERENCE)
 
 
 def _build_group(seqs, ql_all, sl_all, qstart_all, bt, block_size, whole):
-    """Padded layout of the sequences ``seqs``; returns the group and the cache slot
-    of each of its tokens (None without a cache)."""
+    """Padded layout of the sequences ``seqs``: which token goes where, which
+    cache slot each key position is read from, and the causal mask."""
     idx = torch.tensor(seqs, dtype=torch.long)
     ql, sl, qs = ql_all[idx], sl_all[idx], qstart_all[idx]
     S, qmax, lmax = len(seqs), int(ql.max()), int(sl.max())
@@ -143,11 +169,9 @@ def _build_group(seqs, ql_all, sl_all, qstart_all, bt, block_size, whole):
 
     if bt is None:      # keys are this step's own tokens, read from the flat batch
         context_index = (qs[:, None] + key_pos[None, :]).clamp(max=int(qstart_all[-1]) - 1)
-        slots = None
     else:
         table = bt[idx]
         blk = (key_pos // block_size).clamp(max=table.shape[1] - 1)
         context_index = table[:, blk] * block_size + (key_pos % block_size)[None, :]
-        slots = context_index[seq_of_token, (sl - ql)[seq_of_token] + offset_in_seq]
     return AttentionGroup(None if whole else token_index, query_index, context_index, mask,
-                          S, qmax, lmax), slots
+                          S, qmax, lmax)

@@ -6,7 +6,8 @@ flat pool of slots per layer (``[num_slots, kv_heads, head_dim]``); a slot cache
 and a paged cache differ only in how the metadata's ``context_index`` was built
 from their block tables. Sequences are padded *inside attention only*, within
 their group (decodes with decodes, prefills with prefills); all other layers
-see the flat tokens.
+see the flat tokens. :class:`ReferenceBackend` is this function behind the
+backend interface: every faster backend is tested against it.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import math
 
 import torch
 
+from .backend import AttentionBackend
 from .metadata import AttentionGroup, AttentionMetadata
 
 
@@ -29,12 +31,25 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     then each sequence reads its whole context through its group's
     ``context_index``. Returns ``[T, Hq, D]``.
     """
-    if k_cache is not None:
-        k_cache.index_copy_(0, meta.slot_mapping, k)
-        v_cache.index_copy_(0, meta.slot_mapping, v)
-        k_src, v_src = k_cache, v_cache
-    else:
-        k_src, v_src = k, v
+    return REFERENCE.forward(q, k, v, meta, k_cache, v_cache)
+
+
+class ReferenceBackend(AttentionBackend):
+    """Gather each sequence's whole context into a padded tensor, two einsums."""
+
+    name = "reference"
+
+    def build_metadata(self, query_lens, seq_lens, block_tables=None, block_size=0, device="cpu"):
+        return AttentionMetadata.build(query_lens, seq_lens, block_tables, block_size, device)
+
+    def attend(self, q, k, v, meta: AttentionMetadata, k_cache, v_cache):
+        return _ragged(q, *((k_cache, v_cache) if k_cache is not None else (k, v)), meta)
+
+
+REFERENCE = ReferenceBackend()
+
+
+def _ragged(q, k_src, v_src, meta: AttentionMetadata) -> torch.Tensor:
     if len(meta.groups) == 1 and meta.groups[0].token_index is None:
         return _group_attention(q, k_src, v_src, meta.groups[0])
     out = torch.empty_like(q)

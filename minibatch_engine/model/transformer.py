@@ -10,7 +10,8 @@ Two families share one skeleton (embed -> N x [norm, attention, norm, MLP] -> no
 Every layer except attention works on the ``[T, hidden]`` matrix of all new
 tokens of the batch, whatever sequence they belong to (Orca's selective
 batching): no padding. Attention takes the per-sequence metadata and reads K/V
-from the cache (see :mod:`minibatch_engine.attention`).
+from the cache through the backend that built the metadata (see
+:mod:`minibatch_engine.attention`).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import AttentionMetadata, ragged_attention
+from ..attention import BatchMetadata
 from .config import ModelConfig
 
 
@@ -59,7 +60,7 @@ class Attention(nn.Module):
         self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=bias)   # fused q, k, v
         self.o_proj = nn.Linear(q, cfg.hidden_size, bias=cfg.family == "gpt2")
 
-    def forward(self, x, rope, meta: AttentionMetadata, kv_layer):
+    def forward(self, x, rope, meta: BatchMetadata, kv_layer):
         T = x.shape[0]
         q, k, v = self.qkv_proj(x).split(
             [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2, dim=-1)
@@ -69,7 +70,7 @@ class Attention(nn.Module):
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k_cache, v_cache = kv_layer if kv_layer is not None else (None, None)
-        out = ragged_attention(q, k, v, meta, k_cache, v_cache)
+        out = meta.backend.forward(q, k, v, meta, k_cache, v_cache)   # the backend that built meta
         return self.o_proj(out.reshape(T, -1))
 
 
@@ -128,12 +129,15 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: BatchMetadata,
                 kv_cache=None, all_logits: bool = False) -> torch.Tensor:
         """Run one step.
 
         input_ids, positions: ``[T]`` flat new tokens of the batch.
-        meta: per-sequence lengths and cache slots (:class:`AttentionMetadata`).
+        meta: per-sequence lengths and cache slots, built by an attention backend
+        (``get_attention_backend(name).build_metadata(...)`` or
+        ``AttentionMetadata.build(...)`` for the reference); its ``backend`` runs
+        every layer's attention.
         kv_cache: an object with ``layer(i) -> (k_slots, v_slots)``, or None for a
         cache-free forward (full recompute).
         Returns logits ``[S, vocab]`` for the last new token of each sequence, or

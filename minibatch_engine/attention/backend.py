@@ -1,0 +1,95 @@
+"""One interface for every attention implementation, and the choice between them.
+
+An attention backend does two things. Once per step, on the host,
+``build_metadata`` turns the batch's lengths and block tables into whatever
+layout its kernel wants (padded groups, length buckets, plain offsets). Then, in
+every layer, ``forward`` writes the step's new K/V into the cache at
+``slot_mapping`` and attends. The metadata records the backend that built it
+(``meta.backend``), so the model calls the matching ``forward`` and never needs
+to be told which backend is in use.
+
+Backends: ``"reference"`` (plain torch, padded, the ground truth), ``"sdpa"``
+(the fast CPU path: block gathers and ``scaled_dot_product_attention`` over
+length buckets), ``"triton"`` (a paged-attention kernel that reads K/V through
+the block table in place, for CUDA) and ``"auto"`` (triton on CUDA when it is
+installed, otherwise sdpa).
+"""
+from __future__ import annotations
+
+import importlib.util
+from abc import ABC, abstractmethod
+from typing import Sequence
+
+import torch
+
+from .metadata import BatchMetadata
+
+BACKENDS = ("reference", "sdpa", "triton", "auto")
+
+
+class AttentionBackend(ABC):
+    """Builds a step's metadata and runs attention over it (see the module docstring)."""
+
+    name: str = ""
+
+    @abstractmethod
+    def build_metadata(self, query_lens: Sequence[int], seq_lens: Sequence[int],
+                       block_tables: Sequence[Sequence[int]] | None = None, block_size: int = 0,
+                       device: torch.device | str = "cpu") -> BatchMetadata:
+        """The step's metadata, on ``device``. ``block_tables=None``: no cache (each
+        sequence attends only to its new tokens, ``seq_lens == query_lens``)."""
+
+    @abstractmethod
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BatchMetadata,
+               k_cache: torch.Tensor | None, v_cache: torch.Tensor | None) -> torch.Tensor:
+        """Attention only, the new K/V already in the cache. Returns ``[T, Hq, D]``."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BatchMetadata,
+                k_cache: torch.Tensor | None = None,
+                v_cache: torch.Tensor | None = None) -> torch.Tensor:
+        """q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]``, this step's new tokens;
+        k_cache, v_cache: one layer's slots ``[num_slots, Hkv, D]``, or None for a
+        cache-free forward. Writes the new K/V at ``meta.slot_mapping``, then
+        attends. Returns ``[T, Hq, D]``."""
+        if meta.backend is not None and type(meta.backend) is not type(self):
+            raise ValueError(f"metadata built by the {meta.backend.name!r} backend was passed to "
+                             f"{self.name!r}: build it with the backend that runs it")
+        if (k_cache is None) != (meta.slot_mapping is None):
+            raise ValueError("a KV cache needs metadata built with block tables, and metadata "
+                             "built with block tables needs a KV cache")
+        if q.shape[1] % k.shape[1]:
+            raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
+        if k_cache is not None:
+            k_cache.index_copy_(0, meta.slot_mapping, k)
+            v_cache.index_copy_(0, meta.slot_mapping, v)
+        return self.attend(q, k, v, meta, k_cache, v_cache)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def get_attention_backend(name: str = "auto", device: torch.device | str = "cpu") -> AttentionBackend:
+    """The backend called ``name`` for a model on ``device``.
+
+    ``"auto"``: ``"triton"`` on CUDA when triton is installed, else ``"sdpa"``.
+    """
+    dev = torch.device(device)
+    if name == "auto":
+        name = "triton" if dev.type == "cuda" and triton_available() else "sdpa"
+    if name == "reference":
+        from .reference import REFERENCE
+        return REFERENCE
+    if name == "sdpa":
+        from .sdpa import SdpaBackend
+        return SdpaBackend()
+    if name == "triton":
+        if not triton_available():
+            raise ValueError('attention backend "triton" needs the triton package: '
+                             'pip install -e ".[triton]" (or pick "sdpa" / "auto")')
+        from .triton_backend import TritonBackend
+        return TritonBackend(dev)
+    raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(BACKENDS)}")
