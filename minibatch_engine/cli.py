@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import KV_CACHES, PREEMPTION_MODES, SCHEDULER_NAMES
+from .config import ATTENTION_BACKENDS, KV_CACHES, PREEMPTION_MODES, SCHEDULER_NAMES
 from .model.config import PRESETS
 from .sim import GPUS
 from .workload import WORKLOADS
@@ -17,6 +17,8 @@ FORMATTER = argparse.ArgumentDefaultsHelpFormatter
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                   help="auto: triton on CUDA when installed, else sdpa (the fast CPU path)")
     p.add_argument("--model", default="tiny",
                    help="'tiny' (built-in, seeded random weights) or a Hugging Face checkpoint directory")
     p.add_argument("--device", default="auto", help="'auto' (CUDA when present), 'cpu' or 'cuda'")
@@ -104,7 +106,7 @@ def _generate(args) -> int:
     from .llm import LLM
     from .sampling import SamplingParams
     llm = LLM(args.model, device=args.device, dtype=args.dtype, scheduler=args.scheduler,
-              max_num_seqs=max(1, len(args.prompts)))
+              max_num_seqs=max(1, len(args.prompts)), attention_backend=args.attention_backend)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     if args.model == "tiny":
@@ -129,7 +131,8 @@ def _bench(args, simulate: bool) -> int:
         max_num_batched_tokens="auto" if args.max_num_batched_tokens is None else args.max_num_batched_tokens,
         enable_chunked_prefill=not args.no_chunked_prefill,
         preemption_mode=args.preemption, swap_space_bytes=args.swap_space,
-        **({} if simulate else {"model": args.model, "device": args.device, "dtype": args.dtype}))
+        **({} if simulate else {"model": args.model, "device": args.device, "dtype": args.dtype,
+                                "attention_backend": args.attention_backend}))
     print(format_report(summary, simulated=simulate))
     if args.json:
         write_json(summary, args.json)

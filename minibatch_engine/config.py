@@ -17,6 +17,7 @@ SCHEDULER_NAMES = ("continuous", "static")
 KV_CACHES = ("paged", "reserved")         # and "auto": paged, or reserved for static batching
 PREEMPTION_MODES = ("recompute", "swap")
 VICTIMS = ("latest", "most_blocks")
+ATTENTION_BACKENDS = ("auto", "sdpa", "triton", "reference")
 # The token budget when none is given: vLLM ships 2048 to 16384 depending on the
 # device and the entry point; 2048 keeps one step short on a CPU.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -60,6 +61,10 @@ class EngineConfig:
         later or ``"swap"`` its blocks to ``swap_space_bytes`` of host memory
         (falling back to recompute when that is full); ``preemption_victim``:
         ``"latest"`` arrival (vLLM's choice) or ``"most_blocks"``.
+    attention_backend: ``"auto"`` (Triton's paged kernel on CUDA when triton is
+        installed, else the fast CPU path ``"sdpa"``), ``"sdpa"``, ``"triton"``,
+        or ``"reference"`` (the readable ground truth every backend is tested
+        against).
     sim_gpu, sim_model: with a GPU name, every step is also timed by the roofline
         cost model of ``sim_model`` (a preset name, or the engine's own model).
     """
@@ -79,6 +84,7 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     swap_space_bytes: int = 0
     preemption_victim: str = "latest"
+    attention_backend: str = "auto"
     sim_gpu: str | None = None
     sim_model: str | ModelConfig | None = None
     step_overhead_s: float = 1e-3
@@ -109,6 +115,7 @@ class EngineConfig:
         kv = self.kv_layout
         choice("preemption_mode", PREEMPTION_MODES)
         choice("preemption_victim", VICTIMS)
+        choice("attention_backend", ATTENTION_BACKENDS)
         integer("max_num_seqs", 1)
         integer("max_model_len", 2, optional=True)
         integer("block_size", 1)

@@ -62,7 +62,8 @@ class Engine:
         dtype = model.dtype if model is not None else torch.bfloat16
         self.kv_cache = self._make_kv_cache(dtype, device)
         self.scheduler: Scheduler = self._make_scheduler(dtype, device)
-        self.runner = ModelRunner(model, self.kv_cache) if model is not None else SimRunner()
+        self.runner = (ModelRunner(model, self.kv_cache, attention_backend=cfg.attention_backend)
+                       if model is not None else SimRunner())
         self.trace = Trace()
         self.pending: list[tuple[float, int, Request]] = []   # future arrivals (heap)
         self.sim_now = 0.0

@@ -1,8 +1,9 @@
 """ModelRunner: turns a SchedulerOutput into tensors and runs the real model.
 
 Per step it builds, on the host, the flat ``input_ids`` and ``positions`` of
-every new token and the attention metadata (lengths, block tables,
-``slot_mapping``), copies them to the model's device once, runs one forward
+every new token and the attention metadata of its attention backend (lengths,
+block tables, ``slot_mapping``; see :mod:`minibatch_engine.attention`), copies
+them to the model's device once, runs one forward
 over the whole ragged batch and samples. The only device-to-host copy is the
 sampled token ids, which the scheduler needs.
 
@@ -17,7 +18,7 @@ import time
 
 import torch
 
-from ..attention import AttentionMetadata
+from ..attention import get_attention_backend
 from ..model.config import PAD_ID
 from ..sampling import sample
 from ..scheduler.base import SchedulerOutput
@@ -25,9 +26,10 @@ from .base import Runner, RunnerOutput, sampling_rows
 
 
 class ModelRunner(Runner):
-    def __init__(self, model, kv_cache, pad_token_id: int | None = None):
+    def __init__(self, model, kv_cache, pad_token_id: int | None = None, attention_backend: str = "auto"):
         self.model, self.kv_cache = model, kv_cache
         self.device = model.device
+        self.attention = get_attention_backend(attention_backend, self.device)
         self.pad_token_id = PAD_ID if pad_token_id is None else pad_token_id
         if self.pad_token_id >= model.config.vocab_size:
             self.pad_token_id = 0
@@ -52,8 +54,8 @@ class ModelRunner(Runner):
             seq_lens.append(p.start_position + p.num_tokens)
             n_blocks = -(-(p.start_position + p.num_tokens) // self.kv_cache.block_size)
             tables.append(p.block_table if p.block_table is not None else [null] * n_blocks)
-        meta = AttentionMetadata.build(query_lens, seq_lens, tables, self.kv_cache.block_size,
-                                       device=self.device)
+        meta = self.attention.build_metadata(query_lens, seq_lens, tables, self.kv_cache.block_size,
+                                             device=self.device)
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
         return input_ids, pos, meta
