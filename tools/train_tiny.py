@@ -29,11 +29,19 @@ under the PSF License Agreement; the weights are derived from it.
 
 Everything is seeded (init, batch order); training runs for a fixed number of
 steps, so a rerun on the same Python and torch gives the same numbers up to the
-CPU's floating-point summation order. Weights are stored in bfloat16.
+CPU's floating-point summation order. Matmuls run in bfloat16 under
+``torch.autocast`` (weights, optimizer state and loss stay float32), which is
+1.7x faster than float32 on a CPU with AVX512-BF16; validation is float32.
+Weights are stored in bfloat16. Each model folder gets a ``README.md`` with the
+measured time and losses, ``loss_curve.png`` and ``training_log.json``.
 
-Reproduce (from the repository root, about 10 minutes on 2 CPU threads)::
+Reproduce (from the repository root; one CPU thread, about 12 minutes on an
+idle machine of this project, more when it is shared)::
 
     PYTHONPATH=. python tools/train_tiny.py
+
+``--readme-only`` rewrites the READMEs, curves and logs from the stored weights
+and logs without training.
 """
 from __future__ import annotations
 
@@ -301,6 +309,17 @@ def sample(model: Transformer, prompt: str, n: int) -> str:
     return prompt + tok.decode(out)
 
 
+@torch.no_grad()
+def beyond_context_bits(model: Transformer, corpus: Corpus, seq_len: int, count: int = 16) -> dict:
+    """Validation bits per byte at positions inside and past the trained context, on
+    windows twice as long as the training windows."""
+    windows = val_windows(corpus.val, 2 * seq_len, count)
+    logits = forward_logits(model, windows[:, :-1]).view(count, 2 * seq_len, -1)
+    loss = F.cross_entropy(logits.transpose(1, 2), windows[:, 1:], reduction="none") / math.log(2)
+    return {"val_bits_inside_context": loss[:, :seq_len].mean().item(),
+            "val_bits_past_context": loss[:, seq_len:].mean().item()}
+
+
 def compressor_bits(corpus: Corpus) -> dict[str, float]:
     """Bits per byte general-purpose compressors need on the validation files."""
     import lzma
@@ -313,6 +332,25 @@ def compressor_bits(corpus: Corpus) -> dict[str, float]:
             "lzma_bits": 8 * sum(len(lzma.compress(d, preset=9)) for d in data) / total}
 
 
+@torch.no_grad()
+def sample_with_temperature(model: Transformer, prompt: str, n: int, temperature: float = 0.8,
+                            seed: int = 0) -> str:
+    """A seeded sampled continuation (full recompute), to show what greedy's loops hide."""
+    from minibatch_engine.model.reference import full_forward_logits
+    from minibatch_engine.model.tokenizer import ByteTokenizer
+
+    tok, gen = ByteTokenizer(), torch.Generator().manual_seed(seed)
+    ids = tok.encode(prompt)
+    out: list[int] = []
+    for _ in range(n):
+        probs = torch.softmax(full_forward_logits(model, ids + out)[-1] / temperature, dim=-1)
+        nxt = int(torch.multinomial(probs, 1, generator=gen))
+        if nxt == EOS_ID:
+            break
+        out.append(nxt)
+    return prompt + tok.decode(out)
+
+
 def write_readme(folder: Path, name: str, cfg: ModelConfig, info: dict, corpus: Corpus,
                  args, command: str) -> None:
     fence = "```"
@@ -321,6 +359,7 @@ def write_readme(folder: Path, name: str, cfg: ModelConfig, info: dict, corpus: 
             "one layer" if name == "tiny-py-draft" else
             "a byte-level Llama with the shape of the built-in `tiny` preset")
     samples = "\n\n".join(f"{fence}python\n{s}\n{fence}" for s in info["samples"])
+    sampled = "\n\n".join(f"{fence}python\n{s}\n{fence}" for s in info["sampled"])
     text = f"""# {name}
 
 `{name}` is {role}, trained on Python source code so that its output is
@@ -341,7 +380,7 @@ and `load_tokenizer(...)` on the same folder (which returns the byte tokenizer).
 | heads / KV heads / head dim | {cfg.num_heads} / {cfg.num_kv_heads} / {cfg.head_dim} |
 | MLP (intermediate) size | {cfg.intermediate_size} |
 | parameters | {info['params']:,} ({info['params_no_embed']:,} without the embedding and output matrices) |
-| trained context | {args.seq_len} bytes (`max_position_embeddings` is {cfg.max_position}, the `tiny` preset's, but text beyond {args.seq_len} positions was never seen in training) |
+| trained context | {args.seq_len} bytes. `max_position_embeddings` is {cfg.max_position}, the `tiny` preset's, but positions past {args.seq_len} were never trained: on {2 * args.seq_len}-byte validation windows the loss is {info['val_bits_inside_context']:.2f} bits per byte at positions below {args.seq_len} and {info['val_bits_past_context']:.2f} past it. Keep prompt + output within {args.seq_len} tokens for meaningful text. |
 | weights | `model.safetensors`, bfloat16, {info['file_bytes']:,} bytes; Hugging Face `LlamaForCausalLM` names |
 | tokenizer | byte-level: `tokenizer_config.json` says `"minibatch_engine_tokenizer": "byte"` |
 
@@ -392,6 +431,12 @@ bytes costs 8 bits per byte; on the same held-out files, compressed one by one
 
 {samples}
 
+Greedy decoding of a small byte-level model falls into loops (``____``, repeated
+phrases) within a line or two. Sampling (temperature 0.8, seed 0, float32) shows
+more of what it learned:
+
+{sampled}
+
 ## Reproduce
 
 {fence}
@@ -426,12 +471,16 @@ def report(name: str, cfg: ModelConfig, folder: Path, log: dict, corpus: Corpus,
         "final_val_bits_bf16": evaluate(stored, windows),
         **{k: log[k] for k in ("train_seconds", "seed", "cpu", "threads", "precision")},
         **compressor_bits(corpus),
+        **beyond_context_bits(stored, corpus, args.seq_len),
     }
     samples = [sample(stored, prompt, args.sample_tokens)
                for prompt in ("def ", "import ", "class Parser:\n    def __init__(self")]
+    sampled = [sample_with_temperature(stored, prompt, args.sample_tokens)
+               for prompt in ("def ", "import ")]
     plot_curve(log, name, folder / "loss_curve.png", args.seq_len, args.batch)
     (folder / "training_log.json").write_text(json.dumps({**info, **log}) + "\n")
-    write_readme(folder, name, cfg, {**info, "samples": samples}, corpus, args, command)
+    write_readme(folder, name, cfg, {**info, "samples": samples, "sampled": sampled}, corpus, args,
+                 command)
     print(f"{name}: {json.dumps(info)}\n--- sample ---\n{samples[0]}\n")
     return info
 
