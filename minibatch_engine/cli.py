@@ -20,7 +20,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="auto: triton on CUDA when installed, else sdpa (the fast CPU path)")
     p.add_argument("--model", default="tiny",
-                   help="'tiny' (built-in, seeded random weights) or a Hugging Face checkpoint directory")
+                   help="'tiny' (built-in, seeded random weights), 'tiny-py' (small, trained on Python source) or a Hugging Face checkpoint directory")
     p.add_argument("--device", default="auto", help="'auto' (CUDA when present), 'cpu' or 'cuda'")
     p.add_argument("--dtype", default="float32", help="float32, float16, bfloat16 or float64")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -344,3 +344,10 @@ def test_every_knob_together_matches_the_lone_recompute(tiny64, data, block_size
                 prompt, g = prompts[r.request_id]
                 assert sample.output_token_ids == reference_generate(tiny64, prompt, g)
     assert_all_memory_back(engine)
+
+
+def test_trained_models_load_by_name_with_their_tokenizer():
+    llm = LLM("tiny-py", max_num_seqs=2)
+    assert type(llm.tokenizer).__name__ == "ByteTokenizer"
+    out = llm.generate(["def "], SamplingParams(max_tokens=8), use_tqdm=False)[0]
+    assert isinstance(out.text, str) and len(out.token_ids) == 8
