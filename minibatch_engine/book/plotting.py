@@ -270,9 +270,9 @@ def request_timeline(trace, request_ids: Sequence[str], arrival_steps: Mapping[s
         for rid, a in arrivals.items():
             if a == j and rid in row:
                 state[rid] = "waiting"
-        for rid, how in step.preempted:          # taken in this step's scheduling
-            if rid in row:
-                state[rid] = "preempted" if how == "recompute" else "swapped"
+        for p in step.preempted:                 # taken in this step's scheduling
+            if p.request_id in row:
+                state[p.request_id] = "preempted" if p.mode == "recompute" else "swapped"
         ran = {lane.request_id: lane.kind for lane in step.lanes
                if lane.request_id in row and lane.kind != "pad"}
         for rid in request_ids:
