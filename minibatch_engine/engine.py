@@ -1,6 +1,6 @@
 """The engine: one loop, swappable parts.
 
-    add_request -> Scheduler.schedule() -> SchedulerOutput
+    add_request -> (Proposer: guessed tokens, chapter 9) -> Scheduler.schedule() -> SchedulerOutput
                                  |
          KV cache manager <- Runner.execute()   (the real model, or SimRunner)
                                  |

@@ -268,3 +268,12 @@ def test_bench_and_cli_report_speculation(tmp_path):
     s = json.loads(path.read_text())
     assert s["speculative_method"] == "ngram" and s["num_speculative_tokens"] == 2
     assert 0 < s["acceptance_rate"] < 1 and s["mean_accepted_per_verification"] > 0
+
+
+def test_llm_front_door_takes_a_speculative_config(tiny64, refs):
+    from minibatch_engine import LLM
+    llm = LLM(tiny64, max_num_seqs=8, max_model_len=64,
+              speculative=SpeculativeConfig("draft_model", 3, draft_model=tiny64))
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
+    assert [o.token_ids for o in outs] == refs
+    assert llm.engine.trace.acceptance_rate() == 1.0
