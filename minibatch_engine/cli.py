@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import ATTENTION_BACKENDS, KV_CACHES, PREEMPTION_MODES, SCHEDULER_NAMES
+from .config import ATTENTION_BACKENDS, KV_CACHES, PREEMPTION_MODES, SCHEDULER_NAMES, SPEC_METHODS
 from .model.config import PRESETS
 from .sim import GPUS
 from .workload import WORKLOADS
@@ -57,6 +57,16 @@ def _bench_args(p: argparse.ArgumentParser, simulate: bool) -> None:
                    help="how to take KV memory back when the paged cache is full")
     p.add_argument("--swap-space", type=int, default=0, metavar="BYTES",
                    help="host memory for swapped-out KV blocks (with --preemption swap)")
+    p.add_argument("--speculative-method", choices=SPEC_METHODS, default=None,
+                   help="speculative decoding: n-gram prompt lookup or a draft model (default: off)")
+    p.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K",
+                   help="tokens proposed per decoding request and step")
+    if simulate:
+        p.add_argument("--sim-acceptance-rate", type=float, default=0.7, metavar="A",
+                       help="modelled chance that each proposed token is accepted")
+    else:
+        p.add_argument("--draft-model", default="tiny",
+                       help="draft model for --speculative-method draft_model ('tiny' or a checkpoint directory)")
     p.add_argument("--json", metavar="PATH", help="write every summary key as JSON")
     p.add_argument("--plot", metavar="PATH", help="save a timeline figure of the run")
     if simulate:
@@ -131,6 +141,8 @@ def _bench(args, simulate: bool) -> int:
         max_num_batched_tokens="auto" if args.max_num_batched_tokens is None else args.max_num_batched_tokens,
         enable_chunked_prefill=not args.no_chunked_prefill,
         preemption_mode=args.preemption, swap_space_bytes=args.swap_space,
+        speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
+        **({"sim_acceptance_rate": args.sim_acceptance_rate} if simulate else {"draft_model": args.draft_model}),
         **({} if simulate else {"model": args.model, "device": args.device, "dtype": args.dtype,
                                 "attention_backend": args.attention_backend}))
     print(format_report(summary, simulated=simulate))

@@ -32,6 +32,9 @@ COLORS = {
     "swapped": "#8172B2",      # purple: KV blocks in host memory
     "chunked": "#55A868",      # green: chunked prefill
     "unchunked": "#C44E52",    # red: whole prompts (the stall)
+    "off": "#8C8C8C",          # grey: no speculative decoding
+    "ngram": "#DA8BC3",        # pink: n-gram (prompt lookup) proposals
+    "draft model": "#937860",  # brown: draft-model proposals
 }
 LANE_KINDS = ("idle", "prefill", "decode", "pad")
 
@@ -291,6 +294,25 @@ def request_timeline(trace, request_ids: Sequence[str], arrival_steps: Mapping[s
     ax.grid(False)
     ax.legend(handles=[Patch(color=c, label=k) for k, c in zip(kinds[1:], colors[1:])],
               loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    if title:
+        ax.set_title(title)
+    return fig
+
+
+def tokens_per_step(counts: Mapping[str, Sequence[int]], ax=None, title: str | None = None,
+                    figsize=(5, 3.2)):
+    """Speculative decoding: for each proposer, how many request-steps gained
+    1, 2, ... tokens (``counts[name][i]`` request-steps gained ``i + 1``)."""
+    fig, ax = _axes(ax, figsize)
+    width = 0.8 / max(1, len(counts))
+    for j, (label, c) in enumerate(counts.items()):
+        x = np.arange(1, len(c) + 1) + (j - (len(counts) - 1) / 2) * width
+        ax.bar(x, c, width=width, label=label, color=COLORS.get(label))
+    n = max(len(c) for c in counts.values())
+    ax.set_xticks(np.arange(1, n + 1))
+    ax.set_xlabel("tokens gained by a request in one step")
+    ax.set_ylabel("request-steps")
+    ax.legend()
     if title:
         ax.set_title(title)
     return fig
