@@ -62,7 +62,9 @@ class Engine:
         dtype = model.dtype if model is not None else torch.bfloat16
         self.kv_cache = self._make_kv_cache(dtype, device)
         self.scheduler: Scheduler = self._make_scheduler(dtype, device)
-        self.runner = (ModelRunner(model, self.kv_cache, attention_backend=cfg.attention_backend)
+        self.runner = (ModelRunner(model, self.kv_cache, attention_backend=cfg.attention_backend,
+                                   cuda_graphs=cfg.cuda_graphs, max_num_seqs=cfg.max_num_seqs,
+                                   max_model_len=cfg.max_model_len)
                        if model is not None else SimRunner())
         self.trace = Trace()
         self.pending: list[tuple[float, int, Request]] = []   # future arrivals (heap)
