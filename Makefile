@@ -82,8 +82,8 @@ $(LAB_STAMP): $(STAMP)
 lab: $(LAB_STAMP)  ## JupyterLab on chapters/ (LAB_ARGS="--port 8889 --no-browser"; root adds --allow-root)
 	$(VENV)/bin/jupyter lab $(LAB_ROOT) $(LAB_ARGS) chapters/
 
-gpu-check: $(STAMP)  ## the CUDA tests (pytest -m cuda; needs a GPU)
-	$(PY) -m pytest -q -m cuda tests
+gpu-check: $(STAMP)  ## CUDA tests + decode/prefill measurements into gpu_check.json (needs a GPU; < 5 min)
+	$(PY) tools/gpu_check.py
 
 clean:  ## remove _build (.venv, .venv-setupcheck and node_modules stay)
 	rm -rf _build

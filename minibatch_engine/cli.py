@@ -68,6 +68,12 @@ def _bench_args(p: argparse.ArgumentParser, simulate: bool) -> None:
         p.add_argument("--draft-model", default="tiny",
                        help="draft model for --speculative-method draft_model ('tiny' or a checkpoint directory)")
     p.add_argument("--json", metavar="PATH", help="write every summary key as JSON")
+    if not simulate:
+        p.add_argument("--vs-transformers", action="store_true",
+                       help="run the workload through transformers' generate, transformers' continuous "
+                            "batching and this engine (same weights, alternating rounds) and compare")
+        p.add_argument("--rounds", type=int, default=3, help="with --vs-transformers: alternating rounds")
+        p.add_argument("--threads", type=int, default=2, help="with --vs-transformers: torch CPU threads")
     p.add_argument("--plot", metavar="PATH", help="save a timeline figure of the run")
     if simulate:
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -130,6 +136,8 @@ def _generate(args) -> int:
 
 def _bench(args, simulate: bool) -> int:
     from .bench import format_report, run_bench, write_json
+    if not simulate and args.vs_transformers:
+        return _vs_transformers(args)
     summary, engine = run_bench(
         scheduler=args.scheduler, workload=args.workload, num_requests=args.num_requests,
         max_batch=args.max_batch, seed=args.seed, sim_gpu=args.sim_gpu, sim_model=args.sim_model,
@@ -152,6 +160,25 @@ def _bench(args, simulate: bool) -> int:
         from .book import plotting
         fig = plotting.timeline(engine.trace, title=f"{args.scheduler} on {args.workload}")
         fig.savefig(args.plot, dpi=120, bbox_inches="tight")
+    return 0
+
+
+def _vs_transformers(args) -> int:
+    from .bench import write_json
+    from .vs_transformers import compare, format_comparison
+    if args.device not in ("auto", "cpu") or args.dtype != "float32":
+        raise ValueError("--vs-transformers runs on the CPU in float32: drop --device/--dtype")
+    backend = "sdpa" if args.attention_backend == "auto" else args.attention_backend
+    try:
+        summary = compare(args.model, num_requests=args.num_requests, batch=min(args.max_batch, args.num_requests),
+                          seed=args.seed, rounds=args.rounds, threads=args.threads, attention_backend=backend,
+                          workload=args.workload, log=(lambda *a: None) if args.no_progress else
+                          (lambda m: print(m, file=sys.stderr)))
+    except ImportError as e:
+        raise ValueError(str(e)) from None
+    print(format_comparison(summary))
+    if args.json:
+        write_json(summary, args.json)
     return 0
 
 

@@ -118,6 +118,10 @@ class EngineConfig:
         against).
     speculative: a :class:`SpeculativeConfig` (continuous scheduler only), or
         None: no speculative decoding.
+    cuda_graphs: replay a CUDA graph for decode-only steps (batch sizes bucketed,
+        captured lazily; :mod:`minibatch_engine.runner.cuda_graphs`). Used only on
+        CUDA with the ``"triton"`` backend; ignored elsewhere. Tokens are the same
+        either way.
     sim_gpu, sim_model: with a GPU name, every step is also timed by the roofline
         cost model of ``sim_model`` (a preset name, or the engine's own model).
     """
@@ -139,6 +143,7 @@ class EngineConfig:
     preemption_victim: str = "latest"
     attention_backend: str = "auto"
     speculative: SpeculativeConfig | None = None
+    cuda_graphs: bool = True
     sim_gpu: str | None = None
     sim_model: str | ModelConfig | None = None
     step_overhead_s: float = 1e-3
@@ -180,7 +185,7 @@ class EngineConfig:
         number("gpu_memory_utilization", 0.0, 1.0, low_open=True)
         number("watermark", 0.0, 1.0, high_open=True)
         number("step_overhead_s", 0.0, 1e3)
-        for name in ("enable_prefix_caching", "enable_chunked_prefill"):
+        for name in ("enable_prefix_caching", "enable_chunked_prefill", "cuda_graphs"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.max_num_batched_tokens != "auto":

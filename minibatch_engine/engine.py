@@ -64,7 +64,9 @@ class Engine:
         self.kv_cache = self._make_kv_cache(dtype, device)
         self.scheduler: Scheduler = self._make_scheduler(dtype, device)
         spec = cfg.speculative
-        self.runner = (ModelRunner(model, self.kv_cache, attention_backend=cfg.attention_backend)
+        self.runner = (ModelRunner(model, self.kv_cache, attention_backend=cfg.attention_backend,
+                                   cuda_graphs=cfg.cuda_graphs, max_num_seqs=cfg.max_num_seqs,
+                                   max_model_len=cfg.max_model_len)
                        if model is not None else
                        SimRunner(acceptance_rate=spec.sim_acceptance_rate if spec else 0.0,
                                  seed=spec.seed if spec else 0))

@@ -149,7 +149,7 @@ def test_cuda_paged_chunked_swap_matches_cpu_reference(tiny64):
     engine = make_engine(gpu, "swap", 24, 24, max_num_seqs=4, max_model_len=96, max_num_batched_tokens=16)
     reqs = [engine.add_request(p, SamplingParams(max_tokens=25, ignore_eos=True)) for p in prompts]
     engine.run()
-    assert engine.scheduler.preemptor.swap_space.pool.kv.is_pinned()
+    assert engine.scheduler.preemptor.swap_space.host.is_pinned()
     assert sum(r.num_preemptions for r in reqs) > 0
     assert [r.output_token_ids for r in reqs] == [reference_generate(tiny64, p, 25) for p in prompts]
     assert_no_leaks(engine)

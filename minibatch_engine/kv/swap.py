@@ -2,11 +2,31 @@
 
 When the GPU's block pool runs dry, a preempted request's blocks can be copied
 to host memory instead of being thrown away, and copied back into free GPU
-blocks when memory returns (vLLM's swap preemption). On CUDA the host pool is
-pinned memory, so transfers run at full PCIe speed; this reference
-implementation waits for each copy (the device-to-host copy must land before
-the GPU blocks are reused). The pool is bounded: when it is full, the scheduler
-falls back to recomputation.
+blocks when memory returns (vLLM's swap preemption). The pool is bounded: when
+it is full, the scheduler falls back to recomputation.
+
+Two paths, one contract (the caller may reuse the source blocks as soon as the
+call returns, and may read the destination blocks in its next step):
+
+* **CPU** (and the simulator's ``meta`` device): a plain, synchronous copy.
+* **CUDA**: the host pool is *pinned* (page-locked) memory, laid out block by
+  block so each block is one contiguous run that the DMA engine copies without
+  staging, and the copies are issued on a **side stream**, so the host returns
+  at once and goes on scheduling the next step. Correctness comes from stream
+  ordering, not from waiting on the host:
+
+  - before a copy starts, the side stream waits for the compute stream (the
+    K/V being swapped out has been written; the blocks being swapped into are
+    no longer read by an earlier step);
+  - after it, an **event** is recorded on the side stream and the compute stream
+    waits for it: the next kernel that could write a freed block (swap-out) or
+    read a filled one (swap-in) cannot start before the copy has landed;
+  - host blocks are only ever touched by copies on that one side stream, so a
+    host block freed by a swap-in is not overwritten by a later swap-out until
+    the swap-in's read of it is done.
+
+  The GPU still serialises the copy with the next step's kernels (the copy must
+  land before those blocks are used); what is saved is the host's wait.
 """
 from __future__ import annotations
 
@@ -21,11 +41,19 @@ class SwapSpace:
         if num_blocks < 0:
             raise ValueError(f"the swap space needs a non-negative number of blocks, got {num_blocks}")
         self.num_blocks, self.block_size = num_blocks, block_size
-        host = "meta" if device_type == "meta" else "cpu"
-        self.pool = KVPool(model_config.num_layers, max(num_blocks, 1), block_size,
-                           model_config.num_kv_heads, model_config.head_dim, dtype, host)
+        self.device_type = device_type
+        self.pool = self.host = self.stream = None
         if device_type == "cuda":
-            self.pool.kv = self.pool.kv.pin_memory()
+            mc = model_config
+            # [host block, layer, K/V, token, kv head, head dim]: one contiguous run per block
+            self.host = torch.empty(max(num_blocks, 1), mc.num_layers, 2, block_size, mc.num_kv_heads,
+                                    mc.head_dim, dtype=dtype, pin_memory=True)
+            self.stream = torch.cuda.Stream()
+            self.last_copy: torch.cuda.Event | None = None
+        else:
+            host = "meta" if device_type == "meta" else "cpu"
+            self.pool = KVPool(model_config.num_layers, max(num_blocks, 1), block_size,
+                               model_config.num_kv_heads, model_config.head_dim, dtype, host)
         self.free: list[int] = list(range(num_blocks))
         self.tables: dict[str, list[int]] = {}        # request_id -> host blocks, in order
         self.swapped_out_bytes = 0
@@ -43,9 +71,12 @@ class SwapSpace:
         host = [self.free.pop(0) for _ in gpu_blocks]
         self.tables[request_id] = host
         if gpu_blocks:
-            src = torch.tensor(gpu_blocks, device=gpu_pool.kv.device)
-            dst = torch.tensor(host, device=self.pool.kv.device)
-            self.pool.kv[:, :, dst] = gpu_pool.kv[:, :, src].to(self.pool.kv.device)
+            if self.stream is not None:
+                self._async_out(gpu_pool, gpu_blocks, host)
+            else:
+                src = torch.tensor(gpu_blocks, device=gpu_pool.kv.device)
+                dst = torch.tensor(host, device=self.pool.kv.device)
+                self.pool.kv[:, :, dst] = gpu_pool.kv[:, :, src].to(self.pool.kv.device)
         nbytes = len(gpu_blocks) * gpu_pool.bytes_per_block
         self.swapped_out_bytes += nbytes
         return nbytes
@@ -56,13 +87,51 @@ class SwapSpace:
         if len(host) != len(gpu_blocks):
             raise ValueError(f"swap-in of {request_id!r}: {len(host)} host blocks, {len(gpu_blocks)} GPU blocks")
         if host:
-            src = torch.tensor(host, device=self.pool.kv.device)
-            dst = torch.tensor(gpu_blocks, device=gpu_pool.kv.device)
-            gpu_pool.kv[:, :, dst] = self.pool.kv[:, :, src].to(gpu_pool.kv.device)
+            if self.stream is not None:
+                self._async_in(gpu_pool, gpu_blocks, host)
+            else:
+                src = torch.tensor(host, device=self.pool.kv.device)
+                dst = torch.tensor(gpu_blocks, device=gpu_pool.kv.device)
+                gpu_pool.kv[:, :, dst] = self.pool.kv[:, :, src].to(gpu_pool.kv.device)
         self.free.extend(host)
         nbytes = len(host) * gpu_pool.bytes_per_block
         self.swapped_in_bytes += nbytes
         return nbytes
+
+    # --- the CUDA path: pinned memory, a side stream, events ------------------------
+    def _async_out(self, gpu_pool: KVPool, gpu_blocks: list[int], host: list[int]) -> None:
+        compute = torch.cuda.current_stream(gpu_pool.kv.device)
+        self.stream.wait_stream(compute)            # the K/V to copy has been written
+        with torch.cuda.stream(self.stream):
+            src = torch.tensor(gpu_blocks, device=gpu_pool.kv.device)
+            # [layers, 2, n, bs, h, d] -> [n, layers, 2, bs, h, d]: each block contiguous
+            staged = gpu_pool.kv.index_select(2, src).permute(2, 0, 1, 3, 4, 5).contiguous()
+            for i, h in enumerate(host):
+                self.host[h].copy_(staged[i], non_blocking=True)
+        self._fence(compute)
+
+    def _async_in(self, gpu_pool: KVPool, gpu_blocks: list[int], host: list[int]) -> None:
+        compute = torch.cuda.current_stream(gpu_pool.kv.device)
+        self.stream.wait_stream(compute)            # earlier steps are done with these blocks
+        with torch.cuda.stream(self.stream):
+            dev = gpu_pool.kv.device
+            staged = torch.empty((len(host),) + tuple(self.host.shape[1:]), dtype=self.host.dtype, device=dev)
+            for i, h in enumerate(host):
+                staged[i].copy_(self.host[h], non_blocking=True)
+            dst = torch.tensor(gpu_blocks, device=dev)
+            gpu_pool.kv.index_copy_(2, dst, staged.permute(1, 2, 0, 3, 4, 5))
+        self._fence(compute)
+
+    def _fence(self, compute) -> None:
+        """The compute stream waits (on the GPU, not the host) for the copies so far."""
+        self.last_copy = torch.cuda.Event()
+        self.last_copy.record(self.stream)
+        compute.wait_event(self.last_copy)
+
+    def synchronize(self) -> None:
+        """Block the host until every copy issued so far has landed (tests, shutdown)."""
+        if self.stream is not None:
+            self.stream.synchronize()
 
     def discard(self, request_id: str) -> None:
         """Drop a swapped-out request's host blocks (abort)."""

@@ -11,6 +11,10 @@ The runner owns the sampling state: one ``torch.Generator`` per seeded request,
 keyed by request id and dropped when the scheduler reports the request
 finished, so a seeded request draws the same tokens whatever it is batched
 with. It reads requests and never changes them.
+
+On CUDA with the ``"triton"`` backend, decode-only steps replay a CUDA graph
+(:mod:`.cuda_graphs`) instead of launching every kernel from Python; the
+switch is ``EngineConfig.cuda_graphs``.
 """
 from __future__ import annotations
 
@@ -27,13 +31,20 @@ from .base import Runner, RunnerOutput
 
 
 class ModelRunner(Runner):
-    def __init__(self, model, kv_cache, pad_token_id: int | None = None, attention_backend: str = "auto"):
+    def __init__(self, model, kv_cache, pad_token_id: int | None = None, attention_backend: str = "auto",
+                 cuda_graphs: bool = False, max_num_seqs: int = 256, max_model_len: int | None = None):
         self.model, self.kv_cache = model, kv_cache
         self.device = model.device
         self.attention = get_attention_backend(attention_backend, self.device)
         self.pad_token_id = PAD_ID if pad_token_id is None else pad_token_id
         if self.pad_token_id >= model.config.vocab_size:
             self.pad_token_id = 0
+        # Decode steps replay CUDA graphs where they can: CUDA, and metadata of static shape (triton).
+        self.graphs = None
+        if cuda_graphs and self.device.type == "cuda" and self.attention.name == "triton":
+            from .cuda_graphs import DecodeGraphs
+            self.graphs = DecodeGraphs(model, kv_cache, self.attention, max_num_seqs,
+                                       max_model_len or model.config.max_position, self.pad_token_id)
         self.generators: dict[str, torch.Generator] = {}   # request id -> its sampling RNG
 
     def prepare_inputs(self, sched: SchedulerOutput):
@@ -92,9 +103,16 @@ class ModelRunner(Runner):
         out = RunnerOutput()
         if sched.is_empty:
             return out
-        input_ids, positions, meta = self.prepare_inputs(sched)
         t0 = time.perf_counter()
-        logits = self.model(input_ids, positions, meta, self.kv_cache)
+        if self.graphs is not None and self.graphs.can_run(sched):
+            s_all = sched.scheduled
+            logits = self.graphs.run([s.request.all_token_ids[s.start] for s in s_all],
+                                     [s.start + 1 for s in s_all],
+                                     [self.kv_cache.block_table(s.request_id) for s in s_all])
+        else:
+            input_ids, positions, meta = self.prepare_inputs(sched)
+            t0 = time.perf_counter()
+            logits = self.model(input_ids, positions, meta, self.kv_cache)
         self._sync()
         t1 = time.perf_counter()
         # One row of the step's logits per sampling request; the samples forked

@@ -1,0 +1,173 @@
+"""This engine beside Hugging Face ``transformers``, on the same weights.
+
+``python -m minibatch_engine bench --vs-transformers`` (or
+``benchmarks/vs_transformers.py``) saves the chosen model as a Hugging Face
+checkpoint, builds one seeded workload (the ``uniform`` mix: prompts 16-128
+tokens, outputs 8-256, greedy, ``ignore_eos``) and runs it, in one process and
+alternating round by round, through three systems:
+
+* ``hf-static``: ``model.generate`` on left-padded batches of ``batch`` prompts;
+  each batch runs until its longest output is done (static batching, chapter 2),
+  and only each request's own tokens are counted;
+* ``hf-continuous``: transformers' own continuous batching
+  (``init_continuous_batching``: a paged cache and a scheduler on a background
+  thread), each request with its own ``max_new_tokens``;
+* ``engine``: this engine (continuous, paged, ``max_num_seqs=batch``).
+
+Every system's greedy tokens are compared with the engine's, and the report
+gives output tokens per second (median over rounds) and the ratios.
+``transformers`` is optional: without it this module says how to install it.
+"""
+from __future__ import annotations
+
+import statistics
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+SYSTEMS = ("hf-static", "hf-continuous", "engine")
+
+
+def _require_transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError("--vs-transformers needs Hugging Face transformers (an optional dependency): "
+                          "pip install transformers") from None
+    transformers.logging.set_verbosity_error()
+    try:
+        transformers.utils.logging.disable_progress_bar()
+    except AttributeError:
+        pass
+    return transformers
+
+
+@dataclass
+class SystemResult:
+    name: str
+    seconds: list[float] = field(default_factory=list)
+    tokens: list[list[int]] | None = None
+
+    def tok_per_s(self, output_tokens: int) -> float:
+        return output_tokens / statistics.median(self.seconds)
+
+
+def run_hf_static(hf, prompts, max_tokens, batch: int, pad_id: int) -> list[list[int]]:
+    """Greedy ``generate`` over left-padded batches of ``batch`` prompts in order."""
+    outs: list[list[int]] = []
+    for b in range(0, len(prompts), batch):
+        ps, ms = prompts[b:b + batch], max_tokens[b:b + batch]
+        width = max(map(len, ps))
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in ps])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ps])
+        gen = hf.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max(ms), min_new_tokens=max(ms),
+                          do_sample=False, pad_token_id=pad_id, eos_token_id=None)
+        outs += [row[width:width + m].tolist() for row, m in zip(gen, ms)]
+    return outs
+
+
+def run_hf_continuous(hf, prompts, max_tokens, batch: int) -> list[list[int]]:
+    """transformers' continuous batching: one request per prompt, its own output length."""
+    from transformers import GenerationConfig
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    gen_cfg = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=max(max_tokens))
+    cb_cfg = ContinuousBatchingConfig(max_requests_per_batch=batch)
+    results = {}
+    with hf.continuous_batching_context_manager(generation_config=gen_cfg, continuous_batching_config=cb_cfg,
+                                                block=True, timeout=30, warmup=False) as manager:
+        ids = [manager.add_request(p, max_new_tokens=m) for p, m in zip(prompts, max_tokens)]
+        while len(results) < len(ids):
+            r = manager.get_result(timeout=5)
+            if r is None:
+                if not manager.is_running():
+                    raise RuntimeError("transformers' continuous batching thread stopped early")
+                continue
+            if r.is_finished():
+                if r.error is not None:
+                    raise RuntimeError(f"transformers' continuous batching failed on {r.request_id}: {r.error}")
+                results[r.request_id] = list(r.generated_tokens)
+    return [results[i] for i in ids]
+
+
+def run_engine(model, prompts, max_tokens, batch: int, attention_backend: str) -> list[list[int]]:
+    from .engine import Engine
+    from .sampling import SamplingParams
+    eng = Engine(model, max_num_seqs=batch, attention_backend=attention_backend)
+    reqs = [eng.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True)) for p, m in zip(prompts, max_tokens)]
+    eng.run()
+    return [list(r.output_token_ids) for r in reqs]
+
+
+def compare(model="tiny", num_requests: int = 64, batch: int = 64, seed: int = 0, rounds: int = 3,
+            threads: int | None = 2, attention_backend: str = "sdpa", workload: str = "uniform",
+            log=print) -> dict:
+    """Run the three systems ``rounds`` times each, alternating; return a summary dict."""
+    transformers = _require_transformers()
+    from .bench import warmup
+    from .model.config import PAD_ID
+    from .model.hf_export import save_hf_checkpoint
+    from .model.registry import resolve_model
+    from .workload import make_workload
+    if threads:
+        torch.set_num_threads(threads)
+    ours = resolve_model(model, device="cpu", dtype="float32")
+    with tempfile.TemporaryDirectory() as ckpt:
+        save_hf_checkpoint(ours, ckpt)
+        hf = transformers.AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    specs = make_workload(workload, num_requests, seed=seed, vocab_size=min(256, ours.config.vocab_size))
+    prompts = [s.prompt_token_ids for s in specs]
+    max_tokens = [s.max_tokens for s in specs]
+    output_tokens = sum(max_tokens)
+    pad_id = PAD_ID if PAD_ID < ours.config.vocab_size else 0
+    runs = {
+        "hf-static": lambda: run_hf_static(hf, prompts, max_tokens, batch, pad_id),
+        "hf-continuous": lambda: run_hf_continuous(hf, prompts, max_tokens, batch),
+        "engine": lambda: run_engine(ours, prompts, max_tokens, batch, attention_backend),
+    }
+    # warm-ups, untimed: first-call allocations and kernel selection
+    warmup(ours)
+    with torch.no_grad():
+        hf.generate(input_ids=torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False, pad_token_id=pad_id)
+    results = {name: SystemResult(name) for name in SYSTEMS}
+    for r in range(rounds):
+        order = SYSTEMS[r % 3:] + SYSTEMS[:r % 3]          # rotate who goes first
+        for name in order:
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                toks = runs[name]()
+            dt = time.perf_counter() - t0
+            results[name].seconds.append(dt)
+            results[name].tokens = results[name].tokens or toks
+            log(f"round {r + 1}/{rounds}  {name:<14} {dt:7.2f} s  {output_tokens / dt:9,.0f} tok/s")
+    ref = results["engine"].tokens
+    summary = {
+        "model": model if isinstance(model, str) else ours.config.name,
+        "workload": workload, "num_requests": num_requests, "batch": batch, "seed": seed,
+        "rounds": rounds, "threads": torch.get_num_threads(), "attention_backend": attention_backend,
+        "output_tokens": output_tokens, "torch": torch.__version__, "transformers": transformers.__version__,
+        "systems": {},
+    }
+    for name, res in results.items():
+        same = sum(a == b for a, b in zip(res.tokens, ref))
+        summary["systems"][name] = {"seconds": res.seconds, "tokens_per_second": res.tok_per_s(output_tokens),
+                                    "requests_token_equal_to_engine": same}
+    eng = summary["systems"]["engine"]["tokens_per_second"]
+    summary["engine_vs_hf_static"] = eng / summary["systems"]["hf-static"]["tokens_per_second"]
+    summary["engine_vs_hf_continuous"] = eng / summary["systems"]["hf-continuous"]["tokens_per_second"]
+    return summary
+
+
+def format_comparison(s: dict) -> str:
+    lines = [f"{s['model']} on the {s['workload']} workload: {s['num_requests']} requests, "
+             f"{s['output_tokens']:,} output tokens, greedy, ignore_eos; batch {s['batch']}, "
+             f"{s['threads']} threads, median of {s['rounds']} alternating rounds "
+             f"(torch {s['torch']}, transformers {s['transformers']})",
+             f"  {'system':<16}{'output tok/s':>14}{'engine is':>12}{'tokens equal':>15}"]
+    eng = s["systems"]["engine"]["tokens_per_second"]
+    for name, r in s["systems"].items():
+        tps = r["tokens_per_second"]
+        lines.append(f"  {name:<16}{tps:>10,.0f} tok/s{eng / tps:>11.2f}x"
+                     f"{r['requests_token_equal_to_engine']:>10}/{s['num_requests']}")
+    return "\n".join(lines)
