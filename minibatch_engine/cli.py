@@ -26,6 +26,13 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
+def _metric_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--percentiles", default="50,90,99", metavar="P,P,...",
+                   help="latency percentiles to report (vLLM's --metric-percentiles)")
+    p.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
+                   help="SLOs for goodput, vLLM's syntax: ttft:MS tpot:MS e2el:MS")
+
+
 def _bench_args(p: argparse.ArgumentParser, simulate: bool) -> None:
     p.add_argument("--scheduler", choices=SCHEDULER_NAMES, default="continuous",
                    help="static (padded batches) or continuous (iteration-level)")
@@ -38,6 +45,8 @@ def _bench_args(p: argparse.ArgumentParser, simulate: bool) -> None:
     p.add_argument("--seed", type=int, default=0, help="workload seed")
     p.add_argument("--arrival-rate", type=float, default=None,
                    help="Poisson arrivals in requests/s (default: all at time 0)")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="with --arrival-rate: gamma-distributed gaps of this shape (1 = Poisson, smaller = burstier)")
     gpus = [g.name for g in GPUS.values()]
     p.add_argument("--sim-gpu", choices=gpus, default="H100-SXM" if simulate else None,
                    help="time every step with the roofline model of this GPU")
@@ -57,6 +66,7 @@ def _bench_args(p: argparse.ArgumentParser, simulate: bool) -> None:
                    help="how to take KV memory back when the paged cache is full")
     p.add_argument("--swap-space", type=int, default=0, metavar="BYTES",
                    help="host memory for swapped-out KV blocks (with --preemption swap)")
+    _metric_args(p)
     p.add_argument("--json", metavar="PATH", help="write every summary key as JSON")
     p.add_argument("--plot", metavar="PATH", help="save a timeline figure of the run")
     if simulate:
@@ -124,7 +134,9 @@ def _bench(args, simulate: bool) -> int:
         scheduler=args.scheduler, workload=args.workload, num_requests=args.num_requests,
         max_batch=args.max_batch, seed=args.seed, sim_gpu=args.sim_gpu, sim_model=args.sim_model,
         max_model_len=args.max_model_len, arrival_rate=args.arrival_rate,
+        burstiness=args.burstiness,
         progress=not args.no_progress, simulate_only=simulate,
+        percentiles=args.percentiles, goodput=args.goodput,
         kv_cache=args.kv or "auto",
         kv_budget_bytes=args.kv_budget, block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching,
