@@ -106,3 +106,150 @@ def test_arrivals_poisson_and_bursty():
     with pytest.raises(ValueError, match="arrival_rate"):
         make_workload("uniform", 5, arrival_rate=0.0)
     assert not math.isnan(a[-1].arrival_time)
+
+
+# --- AsyncLLM -------------------------------------------------------------------------------
+import asyncio  # noqa: E402
+
+from minibatch_engine import LLM, AsyncLLM  # noqa: E402
+
+PROMPTS = ["The cat", "Serving under load", "a", "Paged attention and chunked prefill"]
+PARAMS = [SamplingParams(max_tokens=12), SamplingParams(max_tokens=9, temperature=0.8, seed=7),
+          SamplingParams(max_tokens=6, temperature=1.0, top_k=20, seed=1), SamplingParams(max_tokens=10)]
+
+
+def offline(model, **opts):
+    outs = LLM(model, **opts).generate(PROMPTS, PARAMS, use_tqdm=False)
+    return [(o.token_ids, o.text, o.finish_reason) for o in outs]
+
+
+async def consume(llm, prompt, params, rid, record=None):
+    toks, text, reason = [], "", None
+    async for out in llm.stream(prompt, params, request_id=rid):
+        assert reason is None, "nothing after the last output"
+        if out.token_id is not None:
+            toks.append(out.token_id)
+            assert out.index == len(toks)
+        text += out.text
+        reason = out.finish_reason
+        if record is not None:
+            record.append(rid)
+    return toks, text, reason
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+@pytest.mark.parametrize("step_in_thread", [True, False])
+def test_streams_yield_exactly_the_offline_tokens(tiny64, step_in_thread):
+    ref = offline(tiny64, max_num_seqs=4, max_num_batched_tokens=8)
+
+    async def main():
+        async with AsyncLLM(tiny64, max_num_seqs=4, max_num_batched_tokens=8, step_in_thread=step_in_thread) as llm:
+            order = []
+            got = await asyncio.gather(*(consume(llm, p, sp, f"r{i}", order)
+                                         for i, (p, sp) in enumerate(zip(PROMPTS, PARAMS))))
+            assert len(set(order[:8])) > 1        # tokens of different requests interleave
+            return got, llm.engine
+
+    got, engine = run(main())
+    assert [(t, r) for t, _, r in got] == [(t, r) for t, _, r in ref]
+    assert [x for _, x, _ in got] == [x for _, x, _ in ref]     # text deltas add up to the offline text
+    assert engine.kv_cache.num_used_blocks == 0
+
+
+def test_cancel_while_waiting_in_prefill_chunks_and_decoding_frees_every_block(tiny64):
+    long_prompt = list(range(1, 121))            # 120 tokens in chunks of 8: 15 prefill steps
+    ref = offline(tiny64, max_num_seqs=3, max_num_batched_tokens=8)
+
+    async def main():
+        llm = AsyncLLM(tiny64, max_num_seqs=3, max_num_batched_tokens=8, kv_cache="paged",
+                       enable_prefix_caching=False, step_in_thread=True)
+        eng = llm.engine
+        keep = [asyncio.create_task(consume(llm, p, sp, f"keep{i}")) for i, (p, sp) in enumerate(zip(PROMPTS[:2],
+                                                                                                      PARAMS[:2]))]
+        decoding = asyncio.create_task(consume(llm, [5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True),
+                                               "decoding"))
+        prefilling = asyncio.create_task(consume(llm, long_prompt, SamplingParams(max_tokens=4), "prefilling"))
+        waiting = asyncio.create_task(consume(llm, [9, 9], SamplingParams(max_tokens=4), "waiting"))
+
+        async def until(cond):
+            while not cond():
+                await asyncio.sleep(0.0005)
+
+        req = lambda rid: eng.scheduler.requests.get(rid)  # noqa: E731
+        await until(lambda: req("prefilling") is not None and req("prefilling").num_computed_tokens >= 16)
+        state = {"prefilling": req("prefilling").num_computed_tokens}
+        prefilling.cancel()
+        await until(lambda: req("decoding") is not None and req("decoding").num_output_tokens >= 3)
+        assert req("waiting") is not None and req("waiting").first_scheduled_step is None   # still queued
+        waiting.cancel()
+        decoding.cancel()
+        got = await asyncio.gather(*keep)
+        await llm.wait_idle()
+        for t in (prefilling, waiting, decoding):
+            with pytest.raises(asyncio.CancelledError):
+                await t
+        assert eng.kv_cache.num_used_blocks == 0
+        eng.kv_cache.manager.check_invariants()
+        out = {rid: req(rid) for rid in ("prefilling", "waiting", "decoding")}
+        await llm.shutdown()
+        return got, out, state
+
+    got, out, state = run(main())
+    assert all(r.finish_reason == "abort" for r in out.values())
+    assert 16 <= state["prefilling"] and out["prefilling"].num_output_tokens == 0     # ended mid-prefill
+    assert out["prefilling"].num_computed_tokens < 120
+    assert out["waiting"].first_scheduled_step is None and out["waiting"].num_output_tokens == 0
+    assert 3 <= out["decoding"].num_output_tokens < 200
+    assert [(t, r) for t, _, r in got] == [(t, r) for t, _, r in ref[:2]]      # the others are unaffected
+
+
+def test_abort_from_outside_ends_the_stream(tiny64):
+    async def main():
+        async with AsyncLLM(tiny64, max_num_seqs=2) as llm:
+            outs = []
+            async for out in llm.stream([1, 2, 3], SamplingParams(max_tokens=500, ignore_eos=True), request_id="x"):
+                outs.append(out)
+                if len(outs) == 3:
+                    await llm.abort("x")
+            await llm.wait_idle()
+            return outs, llm.engine.kv_cache.num_used_blocks
+
+    outs, used = run(main())
+    assert outs[-1].finish_reason == "abort" and outs[-1].token_id is None and used == 0
+    assert 3 <= len(outs) - 1 < 500
+
+
+def test_bad_request_raises_in_the_consumer(tiny64):
+    async def main():
+        async with AsyncLLM(tiny64, max_model_len=16) as llm:
+            with pytest.raises(ValueError, match="max_model_len"):
+                async for _ in llm.stream([1] * 10, SamplingParams(max_tokens=10)):
+                    pass
+            with pytest.raises(ValueError, match="n=2"):
+                async for _ in llm.stream([1], SamplingParams(n=2)):
+                    pass
+    run(main())
+
+
+def test_200_concurrent_streams_lose_nothing(tiny32):
+    specs = make_workload("uniform", 200, seed=5, vocab_size=256, arrival_rate=4000.0)
+    for s in specs:
+        s.prompt_token_ids, s.max_tokens = s.prompt_token_ids[:12], 1 + s.max_tokens % 4
+
+    async def main():
+        from minibatch_engine.async_llm import open_loop
+        async with AsyncLLM(tiny32, max_num_seqs=64) as llm:
+            recs = await open_loop(llm, specs)
+            await llm.wait_idle()
+            return recs, llm.engine
+
+    recs, eng = run(main())
+    assert len(recs) == 200 and len({r.request_id for r in recs}) == 200
+    assert all(r.finish_reason == "length" and len(r.token_ids) == s.max_tokens for r, s in zip(recs, specs))
+    assert eng.kv_cache.num_used_blocks == 0
+    eng.kv_cache.manager.check_invariants()
+    s = serving_metrics([r.timing for r in recs])
+    assert s["completed"] == 200 and s["ttft_ms_p50"] > 0 and s["output_throughput"] > 0
