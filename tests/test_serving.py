@@ -253,3 +253,20 @@ def test_200_concurrent_streams_lose_nothing(tiny32):
     eng.kv_cache.manager.check_invariants()
     s = serving_metrics([r.timing for r in recs])
     assert s["completed"] == 200 and s["ttft_ms_p50"] > 0 and s["output_throughput"] > 0
+
+
+def test_sweep_command_writes_one_row_per_rate_and_plots(tmp_path):
+    from minibatch_engine.cli import main
+    from minibatch_engine.sweep import knee, max_rate_under_slo
+    rows_path, fig = tmp_path / "s.jsonl", tmp_path / "s.png"
+    assert main(["sweep", "--sim-gpu", "H100-SXM", "--sim-model", "llama-3-8b", "--rates", "2,200",
+                 "--num-requests", "60", "--max-batch", "16", "--goodput", "ttft:300", "--jsonl", str(rows_path),
+                 "--plot", str(fig), "--no-progress"]) == 0
+    rows = [__import__("json").loads(line) for line in rows_path.read_text().splitlines()]
+    assert [r["rate"] for r in rows] == [2.0, 200.0] and all(r["completed"] == 60 for r in rows)
+    assert rows[1]["ttft_ms_p99"] > 2 * rows[0]["ttft_ms_p99"]       # overloaded: the queue grows
+    assert knee(rows) == 200.0 and max_rate_under_slo(rows, {"ttft": 300}) == 2.0
+    assert fig.stat().st_size > 1000
+    assert main(["sweep", "--sim-gpu", "H100-SXM", "--rates", "1", "--no-progress"]) == 2    # no --sim-model
+    assert main(["sweep", "--sim-gpu", "H100-SXM", "--sim-model", "llama-3-8b", "--rates", "0,1",
+                 "--no-progress"]) == 2
