@@ -94,10 +94,11 @@ def test_python_dash_m_entry_point():
 def test_percentiles_and_goodput_flags(tmp_path):
     out = tmp_path / "g.json"
     assert main(["simulate", "--num-requests", "12", "--max-batch", "4", "--arrival-rate", "8",
-                 "--percentiles", "50,99.9", "--goodput", "ttft:200", "tpot:30", "--json", str(out),
+                 "--burstiness", "0.5", "--percentiles", "50,99.9", "--goodput", "ttft:200", "tpot:30", "--json", str(out),
                  "--no-progress"]) == 0
     data = json.loads(out.read_text())
     assert "ttft_ms_p99.9" in data and "ttft_ms_p99" not in data and data["slo_tpot_ms"] == 30
+    assert data["burstiness"] == 0.5 and data["arrival_rate"] == 8
     assert 0 <= data["good_requests"] <= data["completed"] == 12
     assert data["goodput"] == pytest.approx(data["good_requests"] / data["duration_s"])
     assert main(["simulate", "--num-requests", "2", "--goodput", "latency:5", "--no-progress"]) == 2
