@@ -9,12 +9,15 @@ from tqdm.auto import tqdm
 
 from .config import EngineConfig
 from .engine import Engine
-from .metrics import percentiles, request_metrics
+from .metrics import (DEFAULT_PERCENTILES, SLO_METRICS, parse_goodput, parse_percentiles, percentiles, request_metrics,
+                      serving_metrics, timings_from_trace)
 from .workload import make_workload
 
 
-def summarize(engine: Engine, requests) -> dict:
-    """Run-level numbers from the trace and the finished requests."""
+def summarize(engine: Engine, requests, ps=DEFAULT_PERCENTILES, goodput=None) -> dict:
+    """Run-level numbers from the trace and the requests: efficiency, memory,
+    and vLLM's latency/throughput metrics (see :mod:`minibatch_engine.metrics`)
+    at the percentiles ``ps``, with goodput when SLOs (ms) are given."""
     trace = engine.trace
     out_tokens = sum(r.num_output_tokens for r in requests)
     wall = trace.end_time("wall") - trace[0].wall_start if len(trace) else 0.0
@@ -62,20 +65,22 @@ def summarize(engine: Engine, requests) -> dict:
     # Share of step time outside the model forward and sampling: scheduling,
     # input preparation, bookkeeping. Only meaningful with a real model.
     s["overhead_fraction"] = 1 - in_model / step_wall if step_wall > 0 and in_model > 0 else float("nan")
+    # Engine steps: this book's own clock (chapters 2-6 read ttft/e2e/itl_steps_*).
     ms = [request_metrics(r, trace) for r in requests if r.token_steps]
     for name in ("ttft", "e2e", "itl"):
-        if name == "itl":       # every gap between consecutive tokens of every request
-            steps = [g for m in ms for g in m.itl_steps]
-        else:
-            steps = [getattr(m, f"{name}_steps") for m in ms]
-        for k, v in percentiles(steps).items():
+        steps = [g for m in ms for g in m.itl_steps] if name == "itl" else [getattr(m, f"{name}_steps") for m in ms]
+        for k, v in percentiles(steps, ps).items():
             s[f"{name}_steps_{k}"] = v
-        for clock, label in (("wall", "seconds"), ("sim", "sim_seconds")):
-            per_req = [m.seconds[clock][name] for m in ms if clock in m.seconds]
-            vals = [g for gaps in per_req for g in gaps] if name == "itl" else per_req
-            if vals:
-                for k, v in percentiles(vals).items():
-                    s[f"{name}_{label}_{k}"] = v
+    # vLLM's serving metrics in the run's clock (named by "clock"): simulated
+    # seconds when a cost model times the steps, else the wall clock. A real
+    # model timed by the simulator too also gets its wall-clock ones, "wall_"-prefixed.
+    done = [r for r in requests if r.token_steps]
+    s["clock"] = clock = "sim" if engine.cost_model is not None else "wall"
+    if done:
+        s.update(serving_metrics(timings_from_trace(done, trace, clock), ps=ps, goodput=goodput))
+        if clock == "sim" and engine.model is not None:
+            wall = serving_metrics(timings_from_trace(done, trace, "wall"), ps=ps, goodput=goodput)
+            s.update({f"wall_{k}": v for k, v in wall.items()})
     return s
 
 
@@ -92,8 +97,9 @@ def warmup(model, steps: int = 4) -> None:
 def run_bench(scheduler: str = "continuous", workload: str = "uniform", num_requests: int = 64,
               max_batch: int = 256, seed: int = 0, model="tiny", sim_gpu: str | None = None,
               sim_model: str | None = None, max_model_len: int | None = None,
-              arrival_rate: float | None = None, device: str = "auto", dtype: str = "float32",
-              progress: bool = True, simulate_only: bool = False, speculative_method: str | None = None,
+              arrival_rate: float | None = None, burstiness: float = 1.0, device: str = "auto",
+              dtype: str = "float32", progress: bool = True, simulate_only: bool = False,
+              percentiles=DEFAULT_PERCENTILES, goodput=None, speculative_method: str | None = None,
               num_speculative_tokens: int = 3, draft_model=None, sim_acceptance_rate: float = 0.7,
               **engine_options) -> tuple[dict, Engine]:
     """Run a workload and return (summary dict, engine). ``simulate_only`` runs no
@@ -102,7 +108,11 @@ def run_bench(scheduler: str = "continuous", workload: str = "uniform", num_requ
     decoding with ``num_speculative_tokens`` proposals; the simulator accepts
     each with probability ``sim_acceptance_rate``. ``engine_options`` are
     further :class:`EngineConfig` fields (``kv_cache``, ``kv_budget_bytes``,
-    ``block_size``, ``max_num_batched_tokens``, ``preemption_mode``, ...)."""
+    ``block_size``, ``max_num_batched_tokens``, ``preemption_mode``, ...).
+    ``percentiles`` and ``goodput`` (SLOs in ms, ``{"ttft": 200}`` or
+    ``["ttft:200"]``) shape the latency keys (:func:`summarize`)."""
+    ps = parse_percentiles(percentiles)
+    goodput = parse_goodput(goodput)
     if speculative_method is not None:
         from .config import SpeculativeConfig
         engine_options["speculative"] = SpeculativeConfig(
@@ -119,17 +129,19 @@ def run_bench(scheduler: str = "continuous", workload: str = "uniform", num_requ
         vocab = min(256, m.config.vocab_size)
         warmup(m)
     engine = Engine(m, cfg)
-    specs = make_workload(workload, num_requests, seed=seed, vocab_size=vocab, arrival_rate=arrival_rate)
+    specs = make_workload(workload, num_requests, seed=seed, vocab_size=vocab, arrival_rate=arrival_rate,
+                          burstiness=burstiness)
     reqs = [engine.add_request(s.prompt_token_ids, s.sampling_params(), arrival_time=s.arrival_time)
             for s in specs]
     with tqdm(total=len(reqs), desc=f"{'simulate' if simulate_only else 'bench'} {scheduler}",
               unit="req", disable=not progress, leave=False) as bar:
         engine.run(progress=bar.update)
     summary = {"scheduler": scheduler, "workload": workload, "num_requests": num_requests,
+               "arrival_rate": arrival_rate, "burstiness": burstiness,
                "max_batch": max_batch, "seed": seed, "sim_gpu": sim_gpu,
                "sim_model": sim_model if sim_gpu else None,
                "model": None if m is None else (model if isinstance(model, str) else m.config.name)}
-    summary.update(summarize(engine, reqs))
+    summary.update(summarize(engine, reqs, ps=ps, goodput=goodput))
     return summary, engine
 
 
@@ -154,14 +166,22 @@ def _bytes(n) -> str:
     return f"{n} B"
 
 
+def _goodput_row(s: dict) -> list:
+    if "goodput" not in s:
+        return []
+    slos = ", ".join(f"{k} <= {s['slo_' + k + '_ms']:g} ms" for k in SLO_METRICS if f"slo_{k}_ms" in s)
+    return [(f"goodput ({slos})",
+             f"{_fmt(s['goodput'])} requests/s ({_fmt(s['good_requests'])} of {_fmt(s['completed'])})")]
+
+
 def format_report(summary: dict, simulated: bool = False) -> str:
     """The summary as a short grouped table a person reads (every key is in the
     JSON). Latencies name their clock: simulated seconds, or wall seconds."""
     s = summary
     clock = "sim_seconds" if simulated or s.get("sim_seconds") is not None else "seconds"
+    pk = [k[len("ttft_ms_"):] for k in s if k.startswith("ttft_ms_p")]
     clock_name = f"simulated {s.get('sim_gpu')}" if clock == "sim_seconds" else "wall clock"
     tput = s.get("sim_output_tokens_per_second") if clock == "sim_seconds" else s.get("output_tokens_per_second")
-    ms = lambda k: None if s.get(k) is None else s[k] * 1e3   # noqa: E731
     model = s.get("sim_model") if simulated else s.get("model")
     groups = [
         ("workload", [
@@ -173,12 +193,13 @@ def format_report(summary: dict, simulated: bool = False) -> str:
                          f"{_fmt(s['steps'])} steps")]),
         (f"throughput ({clock_name})", [
             ("output tokens/s", _fmt(tput)),
+            ("requests/s", _fmt(s.get("request_throughput"))),
+            *_goodput_row(s),
             ("batch efficiency η", _fmt(s.get("eta"))),
             ("mean batch utilization", _fmt(s.get("batch_utilization")))]),
-        (f"latency ({clock_name}, p50 / p99)", [
-            ("TTFT", f"{_fmt(ms(f'ttft_{clock}_p50'))} / {_fmt(ms(f'ttft_{clock}_p99'))} ms"),
-            ("ITL", f"{_fmt(ms(f'itl_{clock}_p50'))} / {_fmt(ms(f'itl_{clock}_p99'))} ms"),
-            ("end to end", f"{_fmt(ms(f'e2e_{clock}_p50'))} / {_fmt(ms(f'e2e_{clock}_p99'))} ms")]),
+        (f"latency ({clock_name}, ms, {' / '.join(pk)})", [
+            (name, " / ".join(_fmt(s.get(f"{key}_ms_{p}")) for p in pk))
+            for name, key in (("TTFT", "ttft"), ("TPOT", "tpot"), ("ITL", "itl"), ("E2EL", "e2el"))]),
         ("KV memory", [
             ("cache", f"{s['kv_cache']}, {_bytes(s.get('kv_capacity_bytes'))} in {_fmt(s.get('kv_blocks'))} "
                       f"{'rows' if s['kv_cache'] == 'reserved' else 'blocks'}"),

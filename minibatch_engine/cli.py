@@ -1,4 +1,4 @@
-"""``python -m minibatch_engine {generate,bench,simulate}`` (also ``minibatch-engine``).
+"""``python -m minibatch_engine {generate,bench,simulate,sweep}`` (also ``minibatch-engine``).
 
 Every user error (a bad option value, a missing checkpoint, an impossible
 configuration) prints ``error: ...`` and exits with status 2.
@@ -26,7 +26,14 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _bench_args(p: argparse.ArgumentParser, simulate: bool) -> None:
+def _metric_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--percentiles", default="50,90,99", metavar="P,P,...",
+                   help="latency percentiles to report (vLLM's --metric-percentiles)")
+    p.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
+                   help="SLOs for goodput, vLLM's syntax: ttft:MS tpot:MS e2el:MS")
+
+
+def _bench_args(p: argparse.ArgumentParser, simulate: bool, sweep: bool = False) -> None:
     p.add_argument("--scheduler", choices=SCHEDULER_NAMES, default="continuous",
                    help="static (padded batches) or continuous (iteration-level)")
     p.add_argument("--workload", choices=sorted(WORKLOADS), default="uniform",
@@ -36,8 +43,11 @@ def _bench_args(p: argparse.ArgumentParser, simulate: bool) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output (default: min(model max_position, 1024))")
     p.add_argument("--seed", type=int, default=0, help="workload seed")
-    p.add_argument("--arrival-rate", type=float, default=None,
-                   help="Poisson arrivals in requests/s (default: all at time 0)")
+    if not sweep:
+        p.add_argument("--arrival-rate", type=float, default=None,
+                       help="Poisson arrivals in requests/s (default: all at time 0)")
+    p.add_argument("--burstiness", type=float, default=1.0,
+                   help="with --arrival-rate: gamma-distributed gaps of this shape (1 = Poisson, smaller = burstier)")
     gpus = [g.name for g in GPUS.values()]
     p.add_argument("--sim-gpu", choices=gpus, default="H100-SXM" if simulate else None,
                    help="time every step with the roofline model of this GPU")
@@ -67,14 +77,20 @@ def _bench_args(p: argparse.ArgumentParser, simulate: bool) -> None:
     else:
         p.add_argument("--draft-model", default="tiny",
                        help="draft model for --speculative-method draft_model ('tiny' or a checkpoint directory)")
-    p.add_argument("--json", metavar="PATH", help="write every summary key as JSON")
-    if not simulate:
+    _metric_args(p)
+    if sweep:
+        p.add_argument("--rates", required=True, metavar="R,R,...", help="request rates to run (requests/s)")
+        p.add_argument("--jsonl", metavar="PATH", default="sweep.jsonl", help="one JSON row per rate")
+        p.add_argument("--plot", metavar="PATH", help="save throughput-latency and goodput figures")
+    else:
+        p.add_argument("--json", metavar="PATH", help="write every summary key as JSON")
+        p.add_argument("--plot", metavar="PATH", help="save a timeline figure of the run")
+    if not simulate and not sweep:
         p.add_argument("--vs-transformers", action="store_true",
                        help="run the workload through transformers' generate, transformers' continuous "
                             "batching and this engine (same weights, alternating rounds) and compare")
         p.add_argument("--rounds", type=int, default=3, help="with --vs-transformers: alternating rounds")
         p.add_argument("--threads", type=int, default=2, help="with --vs-transformers: torch CPU threads")
-    p.add_argument("--plot", metavar="PATH", help="save a timeline figure of the run")
     if simulate:
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
     else:
@@ -103,6 +119,11 @@ def build_parser() -> argparse.ArgumentParser:
                                help="run a workload on the real model and report"), False)
     _bench_args(sub.add_parser("simulate", formatter_class=FORMATTER,
                                help="run a workload on the simulated GPU only (no model)"), True)
+    sw = sub.add_parser("sweep", formatter_class=FORMATTER, help="run one configuration over request rates",
+                        description="One configuration under a list of request rates: one JSON row per rate. "
+                                    "With --sim-gpu the simulator alone; without, the real model on the wall "
+                                    "clock through AsyncLLM (an open-loop client).")
+    _bench_args(sw, False, sweep=True)
     return parser
 
 
@@ -111,6 +132,8 @@ def main(argv=None) -> int:
     try:
         if args.command == "generate":
             return _generate(args)
+        if args.command == "sweep":
+            return _sweep(args)
         return _bench(args, simulate=args.command == "simulate")
     except (ValueError, TypeError, KeyError, FileNotFoundError, NotImplementedError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
@@ -134,6 +157,46 @@ def _generate(args) -> int:
     return 0
 
 
+def _engine_options(args) -> dict:
+    """The EngineConfig fields the bench-like commands share."""
+    return dict(kv_cache=args.kv or "auto", kv_budget_bytes=args.kv_budget, block_size=args.block_size,
+                enable_prefix_caching=not args.no_prefix_caching,
+                max_num_batched_tokens="auto" if args.max_num_batched_tokens is None else args.max_num_batched_tokens,
+                enable_chunked_prefill=not args.no_chunked_prefill,
+                preemption_mode=args.preemption, swap_space_bytes=args.swap_space)
+
+
+def _sweep(args) -> int:
+    from .metrics import parse_goodput, parse_percentiles
+    from .sweep import parse_rates, sweep
+    simulate = args.sim_gpu is not None
+    if simulate != (args.sim_model is not None):
+        raise ValueError("the simulator needs both --sim-gpu and --sim-model (or neither: the real model)")
+    rates, ps, slo = parse_rates(args.rates), parse_percentiles(args.percentiles), parse_goodput(args.goodput)
+    opts = dict(scheduler=args.scheduler, workload=args.workload, num_requests=args.num_requests,
+                max_batch=args.max_batch, seed=args.seed, burstiness=args.burstiness, percentiles=ps,
+                goodput=slo, max_model_len=args.max_model_len, **_engine_options(args))
+    if simulate:
+        opts.update(sim_gpu=args.sim_gpu, sim_model=args.sim_model)
+    else:
+        opts["attention_backend"] = args.attention_backend
+    rows = sweep(rates, simulate=simulate, model=args.model, device=args.device, dtype=args.dtype,
+                 jsonl=args.jsonl, progress=not args.no_progress, **opts)
+    p = f"{ps[-1]:g}"
+    print(f"{'rate':>8} {'req/s':>8} {'tok/s':>9} {'TTFT p' + p:>11} {'TPOT p' + p:>11}"
+          + (f" {'goodput':>8}" if slo else ""))
+    for r in rows:
+        print(f"{r['rate']:>8.3g} {r['request_throughput']:>8.3g} {r['output_throughput']:>9.4g} "
+              f"{r[f'ttft_ms_p{p}']:>9.4g}ms {r[f'tpot_ms_p{p}']:>9.4g}ms"
+              + (f" {r['goodput']:>8.3g}" if slo else ""))
+    print(f"rows: {args.jsonl} ({rows[0]['clock']} clock)")
+    if args.plot:
+        from .book import plotting
+        fig = plotting.load_curves({args.scheduler: rows}, slo_ms=slo, stat=f"p{p}")
+        fig.savefig(args.plot, dpi=120, bbox_inches="tight")
+    return 0
+
+
 def _bench(args, simulate: bool) -> int:
     from .bench import format_report, run_bench, write_json
     if not simulate and args.vs_transformers:
@@ -142,7 +205,9 @@ def _bench(args, simulate: bool) -> int:
         scheduler=args.scheduler, workload=args.workload, num_requests=args.num_requests,
         max_batch=args.max_batch, seed=args.seed, sim_gpu=args.sim_gpu, sim_model=args.sim_model,
         max_model_len=args.max_model_len, arrival_rate=args.arrival_rate,
+        burstiness=args.burstiness,
         progress=not args.no_progress, simulate_only=simulate,
+        percentiles=args.percentiles, goodput=args.goodput,
         kv_cache=args.kv or "auto",
         kv_budget_bytes=args.kv_budget, block_size=args.block_size,
         enable_prefix_caching=not args.no_prefix_caching,

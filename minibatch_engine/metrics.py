@@ -1,19 +1,37 @@
-"""Per-request latency metrics and run summaries, computed from the trace.
+"""Latency and throughput metrics, with the names and definitions of vLLM's
+serving benchmark (``vllm bench serve``).
 
-A request's events are step indices; a step's end time in a clock (``wall`` or
-``sim``) turns them into seconds. Definitions (the usual serving ones):
+Per request, in seconds of one clock (``wall``, or ``sim`` for the simulated GPU):
 
-* queueing time: arrival -> first scheduled step;
-* TTFT (time to first token): arrival -> end of the step that sampled token 1;
-* TPOT (time per output token): mean gap between consecutive output tokens;
-* end-to-end latency: arrival -> end of the step that sampled the last token.
+* queueing time: arrival -> the start of its first scheduled step;
+* **TTFT** (time to first token): arrival -> the first output token;
+* **E2EL** (end-to-end latency): arrival -> the last output token;
+* **TPOT** (time per output token): ``(E2EL - TTFT) / (output tokens - 1)``,
+  the decode speed one user sees, with the first token's wait left out. It is
+  defined for requests of two or more output tokens; like vLLM, a request of
+  one token counts as TPOT 0 for goodput and is left out of TPOT percentiles;
+* **ITL** (inter-token latency): every gap between two consecutive output
+  tokens. ITL percentiles pool the gaps of every request, so a request with
+  500 tokens weighs 500 times more than one with 2; TPOT percentiles weigh each
+  request once. (The mean of a request's gaps equals its TPOT; their spreads
+  differ: one 1-second stall among 100 tokens moves p99 ITL, barely TPOT.)
 
-In steps, an event in step ``k`` of a request that arrived before step ``a``
-counts ``k - a + 1`` steps (the steps it lived through).
+Over a run of ``duration`` seconds (first arrival -> last token):
+
+* **request throughput** = completed requests / duration;
+* **output throughput** = output tokens / duration;
+* **goodput** = requests that met *every* SLO given (TTFT, TPOT, E2EL, each
+  ``<=`` its bound in ms) / duration: the rate of requests a user was happy
+  with, the number DistServe (Zhong et al., 2024) optimises and vLLM reports.
+
+In engine steps (this book's third clock), an event in step ``k`` of a request
+that arrived before step ``a`` counts ``k - a + 1`` steps (the steps it lived
+through).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -21,6 +39,8 @@ from .request import Request
 from .trace import Trace
 
 CLOCKS = ("wall", "sim")
+SLO_METRICS = ("ttft", "tpot", "e2el")      # the names --goodput accepts (vLLM's)
+DEFAULT_PERCENTILES = (50, 90, 99)
 
 
 @dataclass
@@ -30,14 +50,22 @@ class RequestMetrics:
     queue_steps: int
     ttft_steps: int
     e2e_steps: int
-    tpot_steps: float
+    tpot_steps: float          # (e2e_steps - ttft_steps) / (n - 1); 0 for one token
     itl_steps: list            # gaps between consecutive tokens, in steps
     seconds: dict              # clock -> {"queue", "ttft", "e2e", "tpot", "itl"}
 
 
+def tpot(e2el: float, ttft: float, num_output_tokens: int) -> float:
+    """vLLM's TPOT: ``(E2EL - TTFT) / (n - 1)``; 0 for a single token."""
+    return (e2el - ttft) / (num_output_tokens - 1) if num_output_tokens > 1 else 0.0
+
+
 def request_metrics(req: Request, trace: Trace) -> RequestMetrics:
+    """Latencies of a request that produced at least one token, from the trace:
+    a token's time is the end of the step that sampled it."""
     a = req.arrival_step
     first, last = req.token_steps[0], req.token_steps[-1]
+    n = len(req.token_steps)
     itl = list(np.diff(req.token_steps).tolist())
     sched = req.first_scheduled_step if req.first_scheduled_step is not None else first
     seconds = {}
@@ -48,19 +76,148 @@ def request_metrics(req: Request, trace: Trace) -> RequestMetrics:
         start = lambda k: getattr(trace[k], f"{clock}_start")  # noqa: E731
         t0 = req.arrival_time.get(clock, start(a) if a < len(trace) else 0.0)
         times = [end(k) for k in req.token_steps]
-        gaps = np.diff(times).tolist()
-        seconds[clock] = {
-            "queue": start(sched) - t0, "ttft": times[0] - t0, "e2e": times[-1] - t0,
-            "tpot": float(np.mean(gaps)) if gaps else 0.0, "itl": gaps,
-        }
+        ttft, e2e = times[0] - t0, times[-1] - t0
+        seconds[clock] = {"queue": start(sched) - t0, "ttft": ttft, "e2e": e2e,
+                          "tpot": tpot(e2e, ttft, n), "itl": np.diff(times).tolist()}
+    ttft_steps, e2e_steps = first - a + 1, last - a + 1
     return RequestMetrics(
         num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
-        queue_steps=sched - a, ttft_steps=first - a + 1, e2e_steps=last - a + 1,
-        tpot_steps=float(np.mean(itl)) if itl else 0.0, itl_steps=itl, seconds=seconds)
+        queue_steps=sched - a, ttft_steps=ttft_steps, e2e_steps=e2e_steps,
+        tpot_steps=tpot(e2e_steps, ttft_steps, n), itl_steps=itl, seconds=seconds)
 
 
-def percentiles(values, ps=(50, 90, 99)) -> dict[str, float]:
+@dataclass
+class RequestTiming:
+    """What a client sees of one request: when it was sent and when each output
+    token came back (seconds, any one clock). Built from the trace
+    (:func:`timings_from_trace`) or by a streaming client (``AsyncLLM``)."""
+    arrival: float
+    token_times: Sequence[float]
+    num_prompt_tokens: int = 0
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_times)
+
+    @property
+    def ttft(self) -> float:
+        return self.token_times[0] - self.arrival
+
+    @property
+    def e2el(self) -> float:
+        return self.token_times[-1] - self.arrival
+
+    @property
+    def tpot(self) -> float:
+        return tpot(self.e2el, self.ttft, self.num_output_tokens)
+
+    @property
+    def itl(self) -> list[float]:
+        return np.diff(np.asarray(self.token_times, dtype=float)).tolist()
+
+
+def timings_from_trace(requests: Iterable[Request], trace: Trace, clock: str) -> list[RequestTiming]:
+    """One :class:`RequestTiming` per request that produced a token."""
+    out = []
+    for r in requests:
+        if not r.token_steps:
+            continue
+        end = [getattr(trace[k], f"{clock}_end") for k in r.token_steps]
+        if end[0] is None:
+            raise ValueError(f"the trace has no {clock!r} clock (simulated times need sim_gpu)")
+        a = r.arrival_time.get(clock)
+        if a is None:
+            a = getattr(trace[r.arrival_step], f"{clock}_start") if r.arrival_step < len(trace) else 0.0
+        out.append(RequestTiming(a, end, r.num_prompt_tokens))
+    return out
+
+
+def _pkey(p: float) -> str:
+    return f"p{int(p)}" if float(p).is_integer() else f"p{p:g}"
+
+
+def percentiles(values, ps=DEFAULT_PERCENTILES) -> dict[str, float]:
+    """``{"p50": ..., "p99": ...}`` (NaN for no values)."""
     arr = np.asarray(list(values), dtype=float)
     if arr.size == 0:
-        return {f"p{p}": float("nan") for p in ps}
-    return {f"p{p}": float(np.percentile(arr, p)) for p in ps}
+        return {_pkey(p): float("nan") for p in ps}
+    return {_pkey(p): float(np.percentile(arr, p)) for p in ps}
+
+
+def parse_percentiles(text: str | Sequence[float]) -> tuple[float, ...]:
+    """``"50,90,99"`` (``--percentiles``) -> ``(50.0, 90.0, 99.0)``; each in [0, 100]."""
+    items = text.split(",") if isinstance(text, str) else list(text)
+    out = []
+    for item in items:
+        try:
+            p = float(item)
+        except (TypeError, ValueError):
+            raise ValueError(f"percentiles: {item!r} is not a number (give e.g. '50,90,99')") from None
+        if not 0 <= p <= 100:
+            raise ValueError(f"percentiles: {p:g} is outside [0, 100]")
+        out.append(p)
+    if not out:
+        raise ValueError("percentiles: give at least one, e.g. '50,90,99'")
+    return tuple(out)
+
+
+def parse_goodput(items: Sequence[str] | Mapping[str, float] | None) -> dict[str, float]:
+    """``["ttft:200", "tpot:50"]`` (``--goodput``, vLLM's syntax: milliseconds) ->
+    ``{"ttft": 200.0, "tpot": 50.0}``. A mapping is checked and returned."""
+    if not items:
+        return {}
+    pairs = items.items() if isinstance(items, Mapping) else [
+        tuple(s.split(":", 1)) if ":" in s else (s, None) for s in items]
+    out = {}
+    for name, value in pairs:
+        if name not in SLO_METRICS:
+            raise ValueError(f"goodput: unknown SLO {name!r}; give {', '.join(m + ':MS' for m in SLO_METRICS)}")
+        try:
+            ms = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"goodput: {name} needs a bound in milliseconds, as {name}:200, "
+                             f"got {value!r}") from None
+        if not ms > 0:
+            raise ValueError(f"goodput: the {name} bound must be > 0 ms, got {ms:g}")
+        out[name] = ms
+    return out
+
+
+def meets_slo(t: RequestTiming, slo_ms: Mapping[str, float]) -> bool:
+    """Whether a request met every SLO (each value ``<=`` its bound)."""
+    values = {"ttft": t.ttft, "tpot": t.tpot, "e2el": t.e2el}
+    return all(values[k] * 1e3 <= bound for k, bound in slo_ms.items())
+
+
+def serving_metrics(timings: Sequence[RequestTiming], duration: float | None = None,
+                    ps: Sequence[float] = DEFAULT_PERCENTILES,
+                    goodput: Mapping[str, float] | None = None) -> dict:
+    """vLLM's benchmark numbers for completed requests, as flat keys:
+    ``ttft_ms_{mean,p50,...}``, ``tpot_ms_*``, ``itl_ms_*``, ``e2el_ms_*``,
+    ``completed``, ``duration_s``, ``request_throughput`` (req/s),
+    ``output_throughput`` (tok/s), ``total_token_throughput`` (prompt + output
+    tok/s) and, with SLOs (ms, see :func:`parse_goodput`), ``goodput`` (req/s)
+    and ``good_requests``. ``duration`` defaults to first arrival -> last token."""
+    slo = parse_goodput(goodput)
+    if duration is None:
+        duration = (max(t.token_times[-1] for t in timings) - min(t.arrival for t in timings)
+                    if timings else 0.0)
+    per = lambda x: x / duration if duration > 0 else float("nan")  # noqa: E731
+    out_tokens = sum(t.num_output_tokens for t in timings)
+    s = {"completed": len(timings), "duration_s": duration,
+         "request_throughput": per(len(timings)), "output_throughput": per(out_tokens),
+         "total_token_throughput": per(out_tokens + sum(t.num_prompt_tokens for t in timings))}
+    series = {"ttft": [t.ttft for t in timings],
+              "tpot": [t.tpot for t in timings if t.num_output_tokens > 1],
+              "itl": [g for t in timings for g in t.itl],
+              "e2el": [t.e2el for t in timings]}
+    for name, vals in series.items():
+        ms = np.asarray(vals, dtype=float) * 1e3
+        s[f"{name}_ms_mean"] = float(ms.mean()) if ms.size else float("nan")
+        s.update({f"{name}_ms_{k}": v for k, v in percentiles(ms, ps).items()})
+    if slo:
+        good = sum(meets_slo(t, slo) for t in timings)
+        s.update({f"slo_{k}_ms": v for k, v in slo.items()})
+        s["good_requests"] = good
+        s["goodput"] = per(good)
+    return s

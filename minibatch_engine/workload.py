@@ -1,5 +1,5 @@
 """Seeded synthetic workloads: prompt and output lengths from named distributions,
-arrivals all at once or Poisson.
+arrivals all at once, Poisson, or bursty (gamma-distributed gaps).
 
 Output lengths are honoured with ``ignore_eos`` (as serving benchmarks do), so
 a workload fixes the schedule whatever tokens the model produces.
@@ -91,24 +91,40 @@ class RequestSpec:
         return SamplingParams(max_tokens=self.max_tokens, ignore_eos=True)
 
 
+def arrival_gaps(rng: np.random.Generator, n: int, rate: float, burstiness: float = 1.0) -> np.ndarray:
+    """``n`` gaps between arrivals at a mean of ``rate`` requests per second.
+
+    The gaps are gamma-distributed with shape ``burstiness`` and mean ``1/rate``
+    (vLLM's ``--burstiness``): 1 gives exponential gaps, a Poisson process; below
+    1 the gaps' coefficient of variation ``1/sqrt(burstiness)`` exceeds 1, so
+    requests come in clumps separated by lulls; above 1 they come more evenly.
+    """
+    if not rate > 0:
+        raise ValueError(f"arrival_rate must be > 0, got {rate}")
+    if not burstiness > 0:
+        raise ValueError(f"burstiness must be > 0 (1 = Poisson, smaller = burstier), got {burstiness}")
+    if burstiness == 1:
+        return rng.exponential(1.0 / rate, size=n)
+    return rng.gamma(burstiness, 1.0 / (rate * burstiness), size=n)
+
+
 def make_workload(name: str | WorkloadSpec, num_requests: int, seed: int = 0, vocab_size: int = 256,
-                  arrival_rate: float | None = None) -> list[RequestSpec]:
+                  arrival_rate: float | None = None, burstiness: float = 1.0) -> list[RequestSpec]:
     """``num_requests`` requests with lengths from the named workload.
 
     Prompt tokens are uniform over ``[0, vocab_size)``. ``arrival_rate`` (requests
-    per second) makes arrivals a Poisson process; ``None`` means all at time 0.
+    per second) spreads arrivals over time with gaps from :func:`arrival_gaps`
+    (``burstiness`` 1: Poisson); ``None`` means all at time 0.
     """
     spec = WORKLOADS.get(name) if isinstance(name, str) else name
     if spec is None:
         raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
-    if arrival_rate is not None and arrival_rate <= 0:
-        raise ValueError(f"arrival_rate must be > 0, got {arrival_rate}")
     rng = np.random.default_rng(seed)
     prompts = spec.prompt.sample(rng, num_requests)
     outputs = spec.output.sample(rng, num_requests)
-    arrivals = (np.cumsum(rng.exponential(1.0 / arrival_rate, size=num_requests))
-                if arrival_rate else np.zeros(num_requests))
+    arrivals = (np.cumsum(arrival_gaps(rng, num_requests, arrival_rate, burstiness))
+                if arrival_rate is not None else np.zeros(num_requests))
     return [RequestSpec(rng.integers(0, vocab_size, size=int(p)).tolist(), int(g), float(t))
             for p, g, t in zip(prompts, outputs, arrivals)]

@@ -10,8 +10,9 @@ from minibatch_engine.cli import main
 
 KEYS = ["scheduler", "workload", "num_requests", "steps", "useful_tokens", "computed_tokens", "eta",
         "wall_seconds", "output_tokens_per_second", "sim_seconds", "ttft_steps_p50", "ttft_steps_p90",
-        "ttft_steps_p99", "ttft_seconds_p50", "ttft_seconds_p99", "e2e_steps_p50", "e2e_steps_p99",
-        "e2e_seconds_p50", "e2e_seconds_p90", "e2e_seconds_p99", "ttft_sim_seconds_p50"]
+        "ttft_steps_p99", "e2e_steps_p50", "e2e_steps_p99", "clock", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p90",
+        "itl_ms_p99", "e2el_ms_p50", "e2el_ms_mean", "request_throughput", "output_throughput",
+        "wall_ttft_ms_p50", "wall_e2el_ms_p99"]
 
 
 def test_bench_json_and_plot(tmp_path):
@@ -30,10 +31,11 @@ def test_bench_json_and_plot(tmp_path):
 
 def test_bench_is_deterministic_in_steps_and_sim_time():
     a, _ = run_bench(num_requests=5, max_batch=2, seed=3, sim_gpu="A100-80GB", sim_model="llama-2-7b",
-                     simulate_only=True, progress=False)
+                     simulate_only=True, progress=False, goodput={"ttft": 500})
     b, _ = run_bench(num_requests=5, max_batch=2, seed=3, sim_gpu="A100-80GB", sim_model="llama-2-7b",
-                     simulate_only=True, progress=False)
-    for k in ("steps", "eta", "sim_seconds", "ttft_sim_seconds_p90", "e2e_steps_p50"):
+                     simulate_only=True, progress=False, goodput={"ttft": 500})
+    assert a["clock"] == "sim" and "wall_ttft_ms_p50" not in a      # no model ran: no wall latencies
+    for k in ("steps", "eta", "sim_seconds", "ttft_ms_p90", "e2e_steps_p50", "goodput"):
         assert a[k] == b[k]
 
 
@@ -43,7 +45,7 @@ def test_bench_paged_continuous_keys(tmp_path):
                  "--num-requests", "6", "--max-batch", "4", "--json", str(out), "--no-progress"]) == 0
     data = json.loads(out.read_text())
     for k in ("kv_utilization", "peak_running", "prefix_cache_hit_tokens", "itl_steps_p99",
-              "itl_seconds_p50", "overhead_fraction", "batch_utilization"):
+              "itl_ms_p50", "overhead_fraction", "batch_utilization"):
         assert k in data, k
     assert data["kv_cache"] == "paged" and data["kv_capacity_bytes"] <= 2 ** 22
     assert 0 < data["kv_utilization"] <= 1
@@ -55,7 +57,7 @@ def test_bench_chunked_prefill_flags(tmp_path):
                  "--max-batch", "4", "--max-num-batched-tokens", "64", "--json", str(out), "--no-progress"]) == 0
     data = json.loads(out.read_text())
     assert data["chunked_prefill"] is True and data["max_num_batched_tokens"] == 64
-    assert "itl_sim_seconds_p99" in data
+    assert "itl_ms_p99" in data and data["clock"] == "sim"
     assert main(["simulate", "--scheduler", "continuous", "--num-requests", "4", "--max-batch", "4",
                  "--max-num-batched-tokens", "64", "--no-chunked-prefill", "--no-progress"]) == 2
 
@@ -87,3 +89,17 @@ def test_bad_arguments_give_a_clear_error(capsys):
 def test_python_dash_m_entry_point():
     r = subprocess.run([sys.executable, "-m", "minibatch_engine", "--help"], capture_output=True, text=True)
     assert r.returncode == 0 and "bench" in r.stdout
+
+
+def test_percentiles_and_goodput_flags(tmp_path):
+    out = tmp_path / "g.json"
+    assert main(["simulate", "--num-requests", "12", "--max-batch", "4", "--arrival-rate", "8",
+                 "--burstiness", "0.5", "--percentiles", "50,99.9", "--goodput", "ttft:200", "tpot:30", "--json", str(out),
+                 "--no-progress"]) == 0
+    data = json.loads(out.read_text())
+    assert "ttft_ms_p99.9" in data and "ttft_ms_p99" not in data and data["slo_tpot_ms"] == 30
+    assert data["burstiness"] == 0.5 and data["arrival_rate"] == 8
+    assert 0 <= data["good_requests"] <= data["completed"] == 12
+    assert data["goodput"] == pytest.approx(data["good_requests"] / data["duration_s"])
+    assert main(["simulate", "--num-requests", "2", "--goodput", "latency:5", "--no-progress"]) == 2
+    assert main(["simulate", "--num-requests", "2", "--percentiles", "50,101", "--no-progress"]) == 2

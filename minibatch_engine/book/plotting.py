@@ -316,3 +316,39 @@ def tokens_per_step(counts: Mapping[str, Sequence[int]], ax=None, title: str | N
     if title:
         ax.set_title(title)
     return fig
+
+
+def load_curves(curves: Mapping[str, Sequence[Mapping]], slo_ms: Mapping[str, float] | None = None,
+                x: str = "request_throughput", stat: str = "p99", title: str | None = None,
+                figsize=(11, 3.2)):
+    """A load sweep in three panels: TTFT and TPOT (at ``stat``) against the
+    achieved throughput ``x``, and goodput against the offered rate. ``curves``
+    maps a label (a configuration) to its rows, one per rate (the JSON rows of
+    ``sweep``). ``slo_ms`` draws the SLO bounds as dashed lines."""
+    fig, axes = plt.subplots(1, 3, figsize=figsize)
+    plt.close(fig)
+    xlabel = {"request_throughput": "throughput (requests/s)",
+              "output_throughput": "output throughput (tokens/s)"}.get(x, x)
+    for label, rows in curves.items():
+        rows = sorted(rows, key=lambda r: r["rate"])
+        color = COLORS.get(label)
+        for ax, key in zip(axes[:2], ("ttft", "tpot")):
+            ax.plot([r[x] for r in rows], [r[f"{key}_ms_{stat}"] for r in rows], marker="o", ms=3,
+                    label=label, color=color)
+        if all("goodput" in r for r in rows):
+            axes[2].plot([r["rate"] for r in rows], [r["goodput"] for r in rows], marker="o", ms=3,
+                         label=label, color=color)
+    for ax, key in zip(axes[:2], ("ttft", "tpot")):
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(f"{key.upper()} {stat} (ms)")
+        ax.set_yscale("log")
+        if slo_ms and key in slo_ms:
+            ax.axhline(slo_ms[key], color="k", ls="--", lw=0.8, label="SLO")
+    rates = sorted({r["rate"] for rows in curves.values() for r in rows})
+    axes[2].plot(rates, rates, color="#AAAAAA", ls=":", lw=1, label="offered rate")
+    axes[2].set_xlabel("offered rate (requests/s)")
+    axes[2].set_ylabel("goodput (requests/s)")
+    axes[0].legend(fontsize=8)
+    if title:
+        fig.suptitle(title)
+    return fig

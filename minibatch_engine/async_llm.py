@@ -1,0 +1,311 @@
+"""``AsyncLLM``: the online front door. Requests come and go while the engine
+runs; each caller streams its own tokens as they are produced.
+
+Shaped like vLLM's ``AsyncLLM.generate``::
+
+    llm = AsyncLLM("tiny")
+    async for out in llm.stream("Hello", SamplingParams(max_tokens=16), request_id="r1"):
+        print(out.token_id, out.text, out.finish_reason)
+
+How it works. One background asyncio task, the *engine loop*, owns the
+:class:`~minibatch_engine.engine.Engine`. It repeats: take in the requests and
+aborts that arrived since the last step, run one ``Engine.step``, then hand
+every stream the tokens its request gained. ``Engine.step`` is blocking (a
+model forward takes milliseconds to seconds), so the loop runs it in a
+one-thread executor: while the model computes, the event loop stays free to
+accept new requests, deliver tokens and notice cancelled consumers (PyTorch
+releases the GIL inside its kernels). The engine itself is only touched
+between steps, by the loop task, which is why it needs no lock: ``stream`` and
+``abort`` only leave a note in an inbox. (vLLM goes one step further and runs
+its EngineCore in another *process*, talking over ZeroMQ, so that detokenising
+and HTTP never steal the GIL from the scheduler.)
+
+Cancelling a consumer (``task.cancel()``, or leaving the ``async for`` and
+closing the generator) aborts its request: the loop calls ``Engine.abort``
+before the next step, which returns the request's KV blocks at once, whether
+it was waiting, part-way through a chunked prefill, or decoding.
+
+:func:`open_loop` is the real-time client of ``vllm bench serve``: it sends
+requests at given arrival times on the wall clock without waiting for earlier
+replies, and records, as a user would, when each token came back. Queueing
+time is then part of TTFT.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Callable, Sequence
+
+from .config import EngineConfig
+from .engine import Engine
+from .inputs import as_token_ids
+from .metrics import RequestTiming
+from .request import FinishReason, Request
+from .sampling import SamplingParams
+
+
+@dataclass
+class StreamOutput:
+    """One new token of a streamed request (vLLM's delta output).
+
+    ``token_id`` is None only on the last output of a request ended from outside
+    (``finish_reason == "abort"``). ``text`` is the text this token adds (None
+    without a tokenizer; empty while a multi-byte character is incomplete).
+    ``finish_reason`` is set on the last output only."""
+    request_id: str
+    token_id: int | None
+    text: str | None
+    index: int                      # how many output tokens the request has, this one included
+    finish_reason: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class _Stream:
+    request_id: str
+    queue: asyncio.Queue
+    request: Request | None = None
+    sent: int = 0                   # output tokens handed to the consumer so far
+    text: str = ""                  # text handed out so far
+
+
+class AsyncLLM:
+    """An engine that serves concurrent streaming requests (see the module doc).
+
+    ``model``, ``tokenizer``, ``device``, ``dtype``, ``seed`` and the engine
+    options are :class:`~minibatch_engine.llm.LLM`'s. ``step_in_thread=False``
+    runs each step on the event loop itself (yielding between steps): simpler,
+    but the loop cannot deliver tokens or take requests during a step."""
+
+    def __init__(self, model="tiny", tokenizer=None, device: str = "auto", dtype: str = "float32",
+                 seed: int = 0, step_in_thread: bool = True, **engine_options):
+        from .model.registry import resolve_model, tokenizer_for
+        config = EngineConfig().with_overrides(**engine_options)
+        self.model = resolve_model(model, device=device, dtype=dtype, seed=seed)
+        self.tokenizer = tokenizer if tokenizer is not None else tokenizer_for(getattr(self.model, "source", None))
+        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        self.engine = Engine(self.model, config, eos_token_id=eos)
+        self.step_in_thread = step_in_thread
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
+        self._streams: dict[str, _Stream] = {}
+        self._inbox: list[tuple[str, list[int], SamplingParams, str | None]] = []
+        self._aborts: list[str] = []
+        self._ids = itertools.count()
+        self._task: asyncio.Task | None = None
+        self._wake: asyncio.Event | None = None
+        self._error: BaseException | None = None
+
+    # --- the public door -------------------------------------------------------
+    async def stream(self, prompt, sampling_params: SamplingParams | None = None,
+                     request_id: str | None = None) -> AsyncIterator[StreamOutput]:
+        """Submit a request and yield each new token as the engine produces it.
+        The request is submitted when iteration starts; leaving early or
+        cancelling the consumer aborts it."""
+        params = SamplingParams() if sampling_params is None else sampling_params
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
+        if params.n != 1:
+            raise ValueError(f"stream() serves one sequence per request, got n={params.n}; "
+                             "use LLM.generate for parallel sampling")
+        ids, text = self._encode(prompt)
+        rid = str(request_id) if request_id is not None else f"stream-{next(self._ids)}"
+        if rid in self._streams:
+            raise ValueError(f"request_id {rid!r} is already streaming")
+        self._start_loop()
+        st = self._streams[rid] = _Stream(rid, asyncio.Queue())
+        self._inbox.append((rid, ids, params, text))
+        self._wake.set()
+        done = False
+        try:
+            while True:
+                item = await st.queue.get()
+                if isinstance(item, BaseException):
+                    done = True
+                    raise item
+                done = item.finished
+                yield item
+                if done:
+                    return
+        finally:
+            self._streams.pop(rid, None)
+            if not done:                        # cancelled, or the consumer left early
+                self._abort_soon(rid)
+
+    generate = stream       # vLLM's name for the same async generator
+
+    async def abort(self, request_id: str) -> None:
+        """End a request from outside; its stream yields a last output with
+        ``finish_reason="abort"`` and its KV memory is freed before the next step."""
+        self._abort_soon(str(request_id))
+
+    async def wait_idle(self) -> None:
+        """Return once every submitted request and abort has been dealt with."""
+        while self._inbox or self._aborts or self.engine.has_unfinished():
+            if self._error is not None:
+                raise self._error
+            await asyncio.sleep(0.001)
+
+    async def shutdown(self) -> None:
+        """Stop the engine loop (unfinished streams are aborted)."""
+        for rid in list(self._streams):
+            self._abort_soon(rid)
+        await self.wait_idle()
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+        self._executor.shutdown(wait=True)
+
+    async def __aenter__(self):
+        return self
+
+    async def __aexit__(self, *exc):
+        await self.shutdown()
+
+    # --- inside --------------------------------------------------------------------
+    def _encode(self, prompt) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("the prompt is text but this model has no tokenizer: pass token ids")
+            return self.tokenizer.encode(prompt), prompt
+        return as_token_ids(prompt, "prompt"), None
+
+    def _abort_soon(self, rid: str) -> None:
+        self._aborts.append(rid)
+        if self._wake is not None:
+            self._wake.set()
+
+    def _start_loop(self) -> None:
+        """Start the engine loop on the running event loop (again, after a
+        previous loop has gone, e.g. a second ``asyncio.run``)."""
+        if self._error is not None:
+            raise RuntimeError("the engine loop has failed") from self._error
+        loop = asyncio.get_running_loop()
+        if self._task is not None and not self._task.done() and self._task.get_loop() is loop:
+            return
+        self._wake = asyncio.Event()
+        self._task = loop.create_task(self._run(), name="AsyncLLM engine loop")
+
+    def _take_inbox(self) -> None:
+        """Apply the aborts and new requests that came in since the last step."""
+        aborts, self._aborts = self._aborts, []
+        for rid in aborts:
+            before = len(self._inbox)
+            self._inbox = [x for x in self._inbox if x[0] != rid]
+            if len(self._inbox) == before and rid in self.engine.scheduler.requests:
+                self.engine.abort(rid)          # frees its KV blocks now
+        inbox, self._inbox = self._inbox, []
+        for rid, ids, params, text in inbox:
+            st = self._streams.get(rid)
+            if st is None:
+                continue
+            try:
+                st.request = self.engine.add_request(ids, params, request_id=rid, prompt_text=text)
+            except (ValueError, TypeError) as e:
+                st.queue.put_nowait(e)
+
+    def _dispatch(self) -> None:
+        """Hand every stream the tokens its request gained in the last step."""
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        for st in list(self._streams.values()):
+            req = st.request
+            if req is None:
+                continue
+            new = req.output_token_ids[st.sent:]
+            for i, tok in enumerate(new):
+                st.sent += 1
+                last = req.is_finished and i == len(new) - 1
+                st.queue.put_nowait(StreamOutput(req.request_id, tok, self._text_delta(st, decode, last), st.sent,
+                                                 str(req.finish_reason) if last else None))
+            if req.is_finished and not new:      # ended without a new token: aborted
+                st.queue.put_nowait(StreamOutput(req.request_id, None, "" if decode else None, st.sent,
+                                                 str(req.finish_reason or FinishReason.ABORT)))
+            if req.is_finished:
+                st.request = None                # nothing more will come
+
+    @staticmethod
+    def _text_delta(st: _Stream, decode, last: bool) -> str | None:
+        """Incremental detokenisation: decode everything, hand out what is new,
+        holding back a trailing incomplete character (U+FFFD) until it completes."""
+        if decode is None:
+            return None
+        full = decode(st.request.output_token_ids[:st.sent])
+        if full.endswith("\ufffd") and not last:
+            return ""
+        delta, st.text = full[len(st.text):], full
+        return delta
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                self._take_inbox()
+                self._dispatch()                # requests aborted or refused above end here
+                if not self.engine.has_unfinished():
+                    self._wake.clear()
+                    if not (self._inbox or self._aborts):
+                        await self._wake.wait()
+                    continue
+                if self.step_in_thread:
+                    await loop.run_in_executor(self._executor, self.engine.step)
+                else:
+                    self.engine.step()
+                    await asyncio.sleep(0)
+                self._dispatch()
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:              # the engine failed: every stream learns it
+            self._error = e
+            for st in self._streams.values():
+                st.queue.put_nowait(e)
+            raise
+
+
+@dataclass
+class ClientRecord:
+    """What the open-loop client saw of one request (wall seconds since its start)."""
+    request_id: str
+    timing: RequestTiming
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+
+
+async def open_loop(llm: AsyncLLM, requests: Sequence, arrival_times: Sequence[float] | None = None,
+                    progress: Callable[[int], None] | None = None) -> list[ClientRecord]:
+    """Send ``requests`` at their arrival times on the wall clock, each without
+    waiting for the others (an open loop, like ``vllm bench serve``), and record
+    when each token arrives. ``requests`` are :class:`~minibatch_engine.workload.RequestSpec`
+    (their ``arrival_time`` is used) or ``(prompt, SamplingParams)`` pairs with
+    ``arrival_times`` given. Returns one :class:`ClientRecord` per request, in order."""
+    t0 = time.perf_counter()
+
+    async def one(i: int, prompt, params, at: float) -> ClientRecord:
+        await asyncio.sleep(max(0.0, at - (time.perf_counter() - t0)))
+        sent = time.perf_counter() - t0
+        times, toks, reason = [], [], None
+        async for out in llm.stream(prompt, params, request_id=f"client-{i}"):
+            if out.token_id is not None:
+                times.append(time.perf_counter() - t0)
+                toks.append(out.token_id)
+            reason = out.finish_reason
+        if progress is not None:
+            progress(1)
+        return ClientRecord(f"client-{i}", RequestTiming(sent, times, len(prompt)), toks, reason)
+
+    jobs = []
+    for i, r in enumerate(requests):
+        if hasattr(r, "prompt_token_ids"):
+            prompt, params, at = r.prompt_token_ids, r.sampling_params(), r.arrival_time
+        else:
+            (prompt, params), at = r, arrival_times[i]
+        jobs.append(one(i, prompt, params, at))
+    return list(await asyncio.gather(*jobs))
