@@ -9,6 +9,8 @@ from __future__ import annotations
 
 
 def glue(name: str, variable, display: bool = True) -> None:
+    if hasattr(variable, "item") and getattr(variable, "ndim", None) == 0:
+        variable = variable.item()      # a numpy/torch scalar: its Python value formats in prose
     try:
         from myst_nb import glue as myst_glue
     except ImportError:
