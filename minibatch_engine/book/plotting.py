@@ -148,7 +148,8 @@ def roofline(gpu, points: Mapping[str, float] | None = None, ax=None, title: str
 
 
 def batch_layout(padded_prompts: Sequence[int], ragged: Sequence[tuple[str, int, int]],
-                 figsize=(8, 5.2)):
+                 padded_labels: Sequence[str] | None = None, step: int | None = None,
+                 figsize=(8, 5.6)):
     """Two ways to lay out a batch.
 
     Top: a padded batch's prefill (static batching): one row per request, prompts
@@ -156,28 +157,46 @@ def batch_layout(padded_prompts: Sequence[int], ragged: Sequence[tuple[str, int,
     scheduling): the new tokens of every sequence concatenated into one row, no
     padding; this is what the non-attention layers see. Bottom: what attention
     sees for each sequence of the ragged step: its cached tokens plus its new
-    ones. ``ragged`` lists (label, cached_tokens, new_tokens).
+    ones. ``ragged`` lists (label, cached_tokens, new_tokens); ``padded_labels``
+    names the padded rows (default ``req-0``, ``req-1``, ...); ``step`` is the
+    ragged step's number, for its title. The two batches need not hold the same
+    requests: say in the caption which run and step each comes from.
     """
-    fig, (a, b, c) = plt.subplots(3, 1, figsize=figsize,
-                                  gridspec_kw={"height_ratios": [len(padded_prompts), 1.2, len(ragged)]})
+    labels = list(padded_labels or [f"req-{i}" for i in range(len(padded_prompts))])
+    fig, (a, b, c) = plt.subplots(
+        3, 1, figsize=figsize, layout="constrained",
+        gridspec_kw={"height_ratios": [len(padded_prompts), 1.6, len(ragged)]})
     plt.close(fig)
     P = max(padded_prompts)
     for i, p in enumerate(padded_prompts):
         a.barh(i, P - p, left=0, color=COLORS["pad"], edgecolor="white")
         a.barh(i, p, left=P - p, color=COLORS["prefill"], edgecolor="white")
-    a.set_yticks(range(len(padded_prompts)), [f"req {i}" for i in range(len(padded_prompts))])
+    a.set_yticks(range(len(padded_prompts)), labels)
     a.invert_yaxis()
-    a.set_title("padded batch (static): prompts left-padded to the longest")
+    a.set_title("static: the first step of a padded batch, prompts left-padded to the longest")
     a.set_xlabel("token position in the padded row")
-    x = 0
+    x, total = 0, sum(new for _, _, new in ragged)
+    narrow: list[tuple[str, float, int]] = []       # segments too thin for a label inside
     for label, cached, new in ragged:
         kind = "decode" if new == 1 and cached > 0 else "prefill"
         b.barh(0, new, left=x, color=COLORS[kind], edgecolor="white")
-        b.text(x + new / 2, 0, label, ha="center", va="center", fontsize=8, color="white")
+        if new >= 0.12 * total:
+            b.text(x + new / 2, 0, label, ha="center", va="center", fontsize=8, color="white")
+        else:
+            narrow.append((label, x + new / 2, new))
         x += new
+    if narrow:                                      # one label for the thin ones, above the bar
+        names = ", ".join(label for label, _, _ in narrow)
+        if all(new == 1 for _, _, new in narrow):
+            names += ": one token each"
+        centre = float(np.mean([pos for _, pos, _ in narrow]))
+        b.annotate(names, (centre, 0.45), xytext=(centre, 1.25), ha="left", va="center",
+                   fontsize=8, arrowprops=dict(arrowstyle="-", lw=0.8, color="black"))
     b.set_yticks([])
+    b.set_ylim(-0.6, 1.6)
     b.set_xlim(0, max(x, 1))
-    b.set_title("ragged step (continuous): new tokens of every sequence, concatenated")
+    where = f"step {step}" if step is not None else "one step"
+    b.set_title(f"continuous: {where}, new tokens of every sequence concatenated")
     b.set_xlabel("flat token index (what the MLPs and projections see)")
     for i, (label, cached, new) in enumerate(ragged):
         kind = "decode" if new == 1 and cached > 0 else "prefill"
@@ -185,13 +204,13 @@ def batch_layout(padded_prompts: Sequence[int], ragged: Sequence[tuple[str, int,
         c.barh(i, new, left=cached, color=COLORS[kind], edgecolor="white")
     c.set_yticks(range(len(ragged)), [label for label, _, _ in ragged])
     c.invert_yaxis()
-    c.set_title("what attention sees: each sequence's cached tokens (grey) and new ones")
+    c.set_title(f"continuous: {where}, what attention sees for each sequence")
     c.set_xlabel("key position")
     for ax in (a, b, c):
         ax.grid(False)
     fig.legend(handles=[Patch(color=COLORS[k], label=k) for k in ("prefill", "decode", "pad")]
                + [Patch(facecolor=COLORS["idle"], edgecolor="grey", label="cached")],
-               loc="upper right", ncol=4, fontsize=8)
+               loc="outside lower center", ncol=4, fontsize=8)
     return fig
 
 
