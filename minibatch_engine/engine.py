@@ -29,6 +29,7 @@ from .request import FinishReason, Request
 from .runner import ModelRunner, RunnerOutput, SimRunner
 from .sampling import SamplingParams
 from .scheduler import ContinuousScheduler, Scheduler, SchedulerOutput, StaticScheduler
+from .scheduler.policy import make_policy
 from .scheduler.preemption import Preemptor
 from .sim import RooflineCostModel, get_gpu
 from .trace import LaneRecord, StepRecord, Trace
@@ -119,7 +120,8 @@ class Engine:
             self.kv_cache, cfg.max_num_seqs, cfg.max_model_len,
             max_num_batched_tokens=cfg.max_num_batched_tokens, enable_chunked_prefill=cfg.enable_chunked_prefill,
             max_num_partial_prefills=cfg.max_num_partial_prefills,
-            preemptor=Preemptor(self.kv_cache, cfg.preemption_mode, swap, cfg.preemption_victim))
+            preemptor=Preemptor(self.kv_cache, cfg.preemption_mode, swap, cfg.preemption_victim),
+            policy=make_policy(cfg.policy, cfg.priority_aging_s, cfg.client_weights))
 
     # --- clocks ---------------------------------------------------------------------
     def wall_now(self) -> float:
@@ -213,7 +215,7 @@ class Engine:
     def step(self) -> list[Request]:
         """Run one step; returns the requests that finished in it."""
         self._release_arrivals()
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(now=self.now())
         if sched.is_empty:
             self._wait_for_arrival()
             return []
