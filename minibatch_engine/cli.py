@@ -8,10 +8,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import ATTENTION_BACKENDS, KV_CACHES, PREEMPTION_MODES, SCHEDULER_NAMES
+from .config import ATTENTION_BACKENDS, KV_CACHES, POLICIES, PREEMPTION_MODES, SCHEDULER_NAMES
 from .model.config import PRESETS
 from .sim import GPUS
-from .workload import WORKLOADS
+from .workload import parse_clients, workload_names
 
 FORMATTER = argparse.ArgumentDefaultsHelpFormatter
 
@@ -29,8 +29,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
 def _bench_args(p: argparse.ArgumentParser, simulate: bool) -> None:
     p.add_argument("--scheduler", choices=SCHEDULER_NAMES, default="continuous",
                    help="static (padded batches) or continuous (iteration-level)")
-    p.add_argument("--workload", choices=sorted(WORKLOADS), default="uniform",
-                   help="prompt/output length distribution")
+    p.add_argument("--workload", choices=workload_names(), default="uniform",
+                   help="prompt/output length distribution; mixed-classes: an interactive class (short, "
+                        "priority 0) and a batch class (long, priority 1)")
     p.add_argument("--num-requests", type=int, default=64, help="requests in the workload")
     p.add_argument("--max-batch", type=int, default=256, help="most sequences per step (max_num_seqs)")
     p.add_argument("--max-model-len", type=int, default=None,
@@ -57,6 +58,20 @@ def _bench_args(p: argparse.ArgumentParser, simulate: bool) -> None:
                    help="how to take KV memory back when the paged cache is full")
     p.add_argument("--swap-space", type=int, default=0, metavar="BYTES",
                    help="host memory for swapped-out KV blocks (with --preemption swap)")
+    p.add_argument("--policy", choices=POLICIES, default="fcfs",
+                   help="who is admitted and preempted: first come first served, priority (with "
+                        "preemption), fair (VTC between clients)")
+    p.add_argument("--priority-aging-s", type=float, default=None, metavar="S",
+                   help="priority policy: a request gains one priority level per S seconds in the system")
+    p.add_argument("--clients", type=parse_clients, default=None, metavar="NAME:RATE,...",
+                   help="multi-tenant workload: a Poisson stream per client, e.g. a:8,b:1,c:1 "
+                        "(requests/s; replaces --arrival-rate)")
+    p.add_argument("--slo-ttft-ms", type=float, default=None, metavar="MS",
+                   help="TTFT target of every request (default: per class: interactive 250, batch 5000; "
+                        "tenants 500)")
+    p.add_argument("--slo-e2e-ms", type=float, default=None, metavar="MS",
+                   help="end-to-end target of every request (default: per class: interactive 1000, "
+                        "batch 20000; tenants 10000)")
     p.add_argument("--json", metavar="PATH", help="write every summary key as JSON")
     p.add_argument("--plot", metavar="PATH", help="save a timeline figure of the run")
     if simulate:
@@ -131,6 +146,8 @@ def _bench(args, simulate: bool) -> int:
         max_num_batched_tokens="auto" if args.max_num_batched_tokens is None else args.max_num_batched_tokens,
         enable_chunked_prefill=not args.no_chunked_prefill,
         preemption_mode=args.preemption, swap_space_bytes=args.swap_space,
+        policy=args.policy, priority_aging_s=args.priority_aging_s, clients=args.clients,
+        slo_ttft_ms=args.slo_ttft_ms, slo_e2e_ms=args.slo_e2e_ms,
         **({} if simulate else {"model": args.model, "device": args.device, "dtype": args.dtype,
                                 "attention_backend": args.attention_backend}))
     print(format_report(summary, simulated=simulate))

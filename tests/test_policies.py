@@ -294,3 +294,49 @@ def test_vtc_lifts_a_returning_client_and_honours_weights():
     before = pol.counter("gold")
     pol.on_admit(g)
     assert pol.counter("gold") - before == 10 / 2     # weight 2: half the charge
+
+
+# --- workloads, bench and the command line ---------------------------------------------
+def test_class_and_client_workloads():
+    from minibatch_engine.workload import make_workload, parse_clients
+    specs = make_workload("mixed-classes", 200, seed=1, arrival_rate=10.0)
+    by = {c: [s for s in specs if s.request_class == c] for c in ("interactive", "batch")}
+    assert len(by["interactive"]) > len(by["batch"]) > 0
+    assert {s.priority for s in by["interactive"]} == {0} and {s.priority for s in by["batch"]} == {1}
+    assert max(len(s.prompt_token_ids) for s in by["interactive"]) < min(len(s.prompt_token_ids) for s in by["batch"])
+    assert parse_clients("a:8,b:1") == {"a": 8.0, "b": 1.0}
+    for bad in ("a", "a:0", "a:x", "a:1,a:2"):
+        with pytest.raises(ValueError, match="name:rate"):
+            parse_clients(bad)
+    specs = make_workload("uniform", 300, seed=0, clients={"a": 8.0, "b": 1.0, "c": 1.0})
+    counts = {c: sum(s.client_id == c for s in specs) for c in "abc"}
+    assert counts["a"] > 4 * max(counts["b"], counts["c"]) and min(counts.values()) > 0
+    assert [s.arrival_time for s in specs] == sorted(s.arrival_time for s in specs)
+    assert make_workload("uniform", 5, seed=3)[0].prompt_token_ids == make_workload("uniform", 5, seed=3)[0].prompt_token_ids
+    with pytest.raises(ValueError, match="not both"):
+        make_workload("uniform", 5, arrival_rate=1.0, clients={"a": 1.0})
+
+
+def test_bench_reports_per_class_and_per_client(tmp_path, capsys):
+    import json
+
+    from minibatch_engine.cli import main
+    path = tmp_path / "s.json"
+    assert main(["simulate", "--workload", "mixed-classes", "--num-requests", "40", "--arrival-rate", "20",
+                 "--max-batch", "4", "--policy", "priority", "--priority-aging-s", "2", "--no-progress",
+                 "--json", str(path)]) == 0
+    report = capsys.readouterr().out
+    assert "per class" in report and "interactive" in report and "priority, aging 2 s" in report
+    s = json.loads(path.read_text())
+    assert s["policy"] == "priority" and set(s["per_class"]) == {"interactive", "batch"}
+    g = s["per_class"]["interactive"]
+    assert g["slo_ttft_s"] == 0.25 and 0 <= g["slo_attainment"] <= 1 and g["ttft_p50_s"] <= g["ttft_p99_s"]
+    assert sum(c["requests"] for c in s["per_class"].values()) == 40
+    assert sum(c["tokens_served"] for c in s["per_class"].values()) == \
+        s["output_tokens"] + sum(c["prompt_tokens"] for c in s["per_class"].values())
+    assert main(["simulate", "--clients", "a:8,b:1", "--num-requests", "30", "--policy", "fair",
+                 "--slo-ttft-ms", "1e9", "--slo-e2e-ms", "1e9", "--no-progress", "--json", str(path)]) == 0
+    s = json.loads(path.read_text())
+    assert set(s["per_client"]) == {"a", "b"} and all(c["slo_attainment"] == 1 for c in s["per_client"].values())
+    assert main(["simulate", "--priority-aging-s", "1", "--no-progress"]) == 2
+    assert "needs policy='priority'" in capsys.readouterr().err
