@@ -49,7 +49,7 @@ book: build  ## build the website and print where it is
 	@echo "The book is built: open file://$(CURDIR)/_build/html/index.html"
 
 unit: $(STAMP)  ## unit, property and equivalence tests (pytest tests/)
-	$(PY) -m pytest -q -p no:cacheprovider tests
+	$(PY) -m pytest -q -p no:cacheprovider --durations=10 tests
 
 # One pytest per notebook, so each chapter's name shows as it starts (with its
 # time at the end); every notebook runs even when one fails, and the target

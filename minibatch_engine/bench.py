@@ -42,6 +42,18 @@ def summarize(engine: Engine, requests) -> dict:
         "chunked_prefill": engine.config.enable_chunked_prefill and engine.config.max_num_batched_tokens is not None,
         "kv_blocks": engine.kv_cache.num_blocks,
     }
+    spec = engine.config.speculative
+    s["speculative_method"] = spec.method if spec else None
+    s["num_speculative_tokens"] = spec.num_speculative_tokens if spec else 0
+    if spec:
+        s["spec_proposed_tokens"] = sum(st.spec_proposed for st in trace.steps)
+        s["spec_accepted_tokens"] = sum(st.spec_accepted for st in trace.steps)
+        s["acceptance_rate"] = trace.acceptance_rate()
+        s["mean_accepted_per_verification"] = trace.mean_accepted_per_verification()
+        draft = sum(st.draft_s for st in trace.steps)
+        s["draft_time_fraction"] = draft / wall if wall > 0 else float("nan")
+        if engine.cost_model is not None:
+            s["sim_draft_time_fraction"] = sum(st.draft_sim_s or 0.0 for st in trace.steps) / trace.end_time("sim")
     if engine.cost_model is not None:
         s["sim_seconds"] = trace.end_time("sim")
         s["sim_output_tokens_per_second"] = out_tokens / s["sim_seconds"]
@@ -118,11 +130,16 @@ def run_bench(scheduler: str = "continuous", workload: str = "uniform", num_requ
               max_batch: int = 256, seed: int = 0, model="tiny", sim_gpu: str | None = None,
               sim_model: str | None = None, max_model_len: int | None = None,
               arrival_rate: float | None = None, device: str = "auto", dtype: str = "float32",
-              progress: bool = True, simulate_only: bool = False, clients: dict | None = None,
-              slo_ttft_ms: float | None = None, slo_e2e_ms: float | None = None,
+              progress: bool = True, simulate_only: bool = False, speculative_method: str | None = None,
+              num_speculative_tokens: int = 3, draft_model=None, sim_acceptance_rate: float = 0.7,
+              clients: dict | None = None, slo_ttft_ms: float | None = None,
+              slo_e2e_ms: float | None = None,
               **engine_options) -> tuple[dict, Engine]:
     """Run a workload and return (summary dict, engine). ``simulate_only`` runs no
-    model at all (``sim_gpu`` and ``sim_model`` required). ``engine_options`` are
+    model at all (``sim_gpu`` and ``sim_model`` required). ``speculative_method``
+    (``"ngram"`` or ``"draft_model"``, with ``draft_model``) turns on speculative
+    decoding with ``num_speculative_tokens`` proposals; the simulator accepts
+    each with probability ``sim_acceptance_rate``. ``engine_options`` are
     further :class:`EngineConfig` fields (``kv_cache``, ``kv_budget_bytes``,
     ``block_size``, ``max_num_batched_tokens``, ``preemption_mode``, ``policy``,
     ``priority_aging_s``, ...).
@@ -133,6 +150,11 @@ def run_bench(scheduler: str = "continuous", workload: str = "uniform", num_requ
     :data:`~minibatch_engine.workload.DEFAULT_SLO_TTFT_S` /
     :data:`~minibatch_engine.workload.DEFAULT_SLO_E2E_S` for tenants);
     ``slo_ttft_ms`` / ``slo_e2e_ms`` replace them for every request."""
+    if speculative_method is not None:
+        from .config import SpeculativeConfig
+        engine_options["speculative"] = SpeculativeConfig(
+            speculative_method, num_speculative_tokens, sim_acceptance_rate=sim_acceptance_rate,
+            draft_model=None if simulate_only or speculative_method != "draft_model" else (draft_model or "tiny"))
     cfg = EngineConfig().with_overrides(scheduler=scheduler, max_num_seqs=max_batch, max_model_len=max_model_len,
                                         sim_gpu=sim_gpu, sim_model=sim_model, **engine_options)
     if simulate_only:
@@ -220,11 +242,18 @@ def format_report(summary: dict, simulated: bool = False) -> str:
                       f"{'rows' if s['kv_cache'] == 'reserved' else 'blocks'}"),
             ("utilization (mean)", _fmt(s.get("kv_utilization"))),
             ("prefix-cache hits", f"{_fmt(s.get('prefix_cache_hit_tokens'))} tokens")]),
+        ("speculative decoding", [
+            ("method", f"{s.get('speculative_method')}, k = {s.get('num_speculative_tokens')}"),
+            ("acceptance rate", _fmt(s.get("acceptance_rate"))),
+            ("accepted per verification", _fmt(s.get("mean_accepted_per_verification"))),
+            ("draft time share", _fmt(s.get("sim_draft_time_fraction" if simulated else "draft_time_fraction")))]),
         ("preemption", [
             ("preemptions", _fmt(s.get("preemptions"))),
             ("recomputed tokens", _fmt(s.get("recomputed_tokens"))),
             ("swapped", _bytes(s.get("swapped_bytes")))]),
     ]
+    if not s.get("speculative_method"):
+        groups = [g for g in groups if g[0] != "speculative decoding"]
     if not simulated and np.isfinite(s.get("overhead_fraction", float("nan"))):
         groups[1][1].append(("engine overhead", f"{s['overhead_fraction']:.1%} of step time"))
     if s.get("policy", "fcfs") != "fcfs":

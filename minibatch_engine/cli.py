@@ -8,7 +8,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import ATTENTION_BACKENDS, KV_CACHES, POLICIES, PREEMPTION_MODES, SCHEDULER_NAMES
+from .config import (ATTENTION_BACKENDS, KV_CACHES, POLICIES, PREEMPTION_MODES, SCHEDULER_NAMES,
+                     SPEC_METHODS)
 from .model.config import PRESETS
 from .sim import GPUS
 from .workload import parse_clients, workload_names
@@ -20,7 +21,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
                    help="auto: triton on CUDA when installed, else sdpa (the fast CPU path)")
     p.add_argument("--model", default="tiny",
-                   help="'tiny' (built-in, seeded random weights) or a Hugging Face checkpoint directory")
+                   help="'tiny' (built-in, seeded random weights), 'tiny-py' (small, trained on Python source) or a Hugging Face checkpoint directory")
     p.add_argument("--device", default="auto", help="'auto' (CUDA when present), 'cpu' or 'cuda'")
     p.add_argument("--dtype", default="float32", help="float32, float16, bfloat16 or float64")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -72,6 +73,16 @@ def _bench_args(p: argparse.ArgumentParser, simulate: bool) -> None:
     p.add_argument("--slo-e2e-ms", type=float, default=None, metavar="MS",
                    help="end-to-end target of every request (default: per class: interactive 1000, "
                         "batch 20000; tenants 10000)")
+    p.add_argument("--speculative-method", choices=SPEC_METHODS, default=None,
+                   help="speculative decoding: n-gram prompt lookup or a draft model (default: off)")
+    p.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K",
+                   help="tokens proposed per decoding request and step")
+    if simulate:
+        p.add_argument("--sim-acceptance-rate", type=float, default=0.7, metavar="A",
+                       help="modelled chance that each proposed token is accepted")
+    else:
+        p.add_argument("--draft-model", default="tiny",
+                       help="draft model for --speculative-method draft_model ('tiny' or a checkpoint directory)")
     p.add_argument("--json", metavar="PATH", help="write every summary key as JSON")
     p.add_argument("--plot", metavar="PATH", help="save a timeline figure of the run")
     if simulate:
@@ -148,6 +159,8 @@ def _bench(args, simulate: bool) -> int:
         preemption_mode=args.preemption, swap_space_bytes=args.swap_space,
         policy=args.policy, priority_aging_s=args.priority_aging_s, clients=args.clients,
         slo_ttft_ms=args.slo_ttft_ms, slo_e2e_ms=args.slo_e2e_ms,
+        speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
+        **({"sim_acceptance_rate": args.sim_acceptance_rate} if simulate else {"draft_model": args.draft_model}),
         **({} if simulate else {"model": args.model, "device": args.device, "dtype": args.dtype,
                                 "attention_backend": args.attention_backend}))
     print(format_report(summary, simulated=simulate))

@@ -17,6 +17,7 @@ SCHEDULER_NAMES = ("continuous", "static")
 KV_CACHES = ("paged", "reserved")         # and "auto": paged, or reserved for static batching
 PREEMPTION_MODES = ("recompute", "swap")
 VICTIMS = ("latest", "most_blocks")
+SPEC_METHODS = ("ngram", "draft_model")
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton", "reference")
 POLICIES = ("fcfs", "priority", "fair")
 # The token budget when none is given: vLLM ships 2048 to 16384 depending on the
@@ -29,6 +30,56 @@ DEFAULT_CPU_KV_BYTES = 512 * 2**20
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass
+class SpeculativeConfig:
+    """Speculative decoding (chapter 9): guess ``num_speculative_tokens`` (k) tokens
+    per decoding request cheaply, verify them in the target's next forward.
+
+    method: ``"ngram"`` (prompt lookup: the k tokens that followed the latest
+        earlier occurrence of the request's last n tokens, n tried from
+        ``prompt_lookup_max`` down to ``prompt_lookup_min``) or ``"draft_model"``
+        (a small model with the same vocabulary runs k greedy steps).
+    draft_model: for ``"draft_model"``: a Transformer, ``"tiny"`` or a checkpoint
+        directory (loaded on the target's device and dtype).
+    sim_acceptance_rate: simulator only (no model): each proposed token is
+        accepted with this probability, in order, until the first rejection (a
+        seeded Bernoulli: an assumption, since acceptance depends on the text).
+    sim_draft_model: simulator only: the preset whose roofline prices the
+        draft's k steps (``"draft_model"``; default ``"llama-3.2-1b"``).
+    seed: seeds the simulator's acceptance draws.
+    """
+    method: str = "ngram"
+    num_speculative_tokens: int = 3
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 3
+    draft_model: object = None
+    sim_acceptance_rate: float = 0.7
+    sim_draft_model: str | ModelConfig | None = None
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.method not in SPEC_METHODS:
+            raise ValueError(f"speculative method={self.method!r} is not one of "
+                             f"{', '.join(map(repr, SPEC_METHODS))}")
+        for name, low in (("num_speculative_tokens", 1), ("prompt_lookup_min", 1), ("prompt_lookup_max", 1),
+                          ("seed", 0)):
+            v = getattr(self, name)
+            if not _is_int(v) or v < low:
+                raise ValueError(f"speculative {name} must be an integer >= {low}, got {v!r}")
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        a = self.sim_acceptance_rate
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a <= 1.0:
+            raise ValueError(f"speculative sim_acceptance_rate must be a number in [0, 1], got {a!r}")
+        if self.method != "draft_model" and self.draft_model is not None:
+            raise ValueError("draft_model is only used with method='draft_model'")
+        if isinstance(self.sim_draft_model, str):
+            get_preset(self.sim_draft_model)
+        elif self.sim_draft_model is not None and not isinstance(self.sim_draft_model, ModelConfig):
+            raise ValueError(f"sim_draft_model must be a preset name or a ModelConfig, got {self.sim_draft_model!r}")
 
 
 @dataclass
@@ -75,6 +126,8 @@ class EngineConfig:
         installed, else the fast CPU path ``"sdpa"``), ``"sdpa"``, ``"triton"``,
         or ``"reference"`` (the readable ground truth every backend is tested
         against).
+    speculative: a :class:`SpeculativeConfig` (continuous scheduler only), or
+        None: no speculative decoding.
     sim_gpu, sim_model: with a GPU name, every step is also timed by the roofline
         cost model of ``sim_model`` (a preset name, or the engine's own model).
     """
@@ -98,6 +151,7 @@ class EngineConfig:
     priority_aging_s: float | None = None
     client_weights: dict | None = None
     attention_backend: str = "auto"
+    speculative: SpeculativeConfig | None = None
     sim_gpu: str | None = None
     sim_model: str | ModelConfig | None = None
     step_overhead_s: float = 1e-3
@@ -172,6 +226,12 @@ class EngineConfig:
                 raise ValueError("a token budget (max_num_batched_tokens) needs the continuous scheduler")
         if self.preemption_mode == "swap" and kv != "paged":
             raise ValueError("swap preemption needs the paged KV cache (kv_cache='paged')")
+        if self.speculative is not None:
+            if not isinstance(self.speculative, SpeculativeConfig):
+                raise ValueError(f"speculative must be a SpeculativeConfig or None, got {self.speculative!r} "
+                                 "(build one: SpeculativeConfig(method='ngram', num_speculative_tokens=3))")
+            if self.scheduler != "continuous":
+                raise ValueError("speculative decoding needs the continuous scheduler (scheduler='continuous')")
         if self.sim_gpu is not None:
             from .sim import get_gpu
             get_gpu(self.sim_gpu)

@@ -1,6 +1,6 @@
 """The engine: one loop, swappable parts.
 
-    add_request -> Scheduler.schedule() -> SchedulerOutput
+    add_request -> (Proposer: guessed tokens, chapter 9) -> Scheduler.schedule() -> SchedulerOutput
                                  |
          KV cache manager <- Runner.execute()   (the real model, or SimRunner)
                                  |
@@ -32,6 +32,7 @@ from .scheduler import ContinuousScheduler, Scheduler, SchedulerOutput, StaticSc
 from .scheduler.policy import make_policy
 from .scheduler.preemption import Preemptor
 from .sim import RooflineCostModel, get_gpu
+from .speculative import DraftModelProposer, NgramProposer, SimProposer
 from .trace import LaneRecord, StepRecord, Trace
 
 
@@ -63,8 +64,12 @@ class Engine:
         dtype = model.dtype if model is not None else torch.bfloat16
         self.kv_cache = self._make_kv_cache(dtype, device)
         self.scheduler: Scheduler = self._make_scheduler(dtype, device)
+        spec = cfg.speculative
         self.runner = (ModelRunner(model, self.kv_cache, attention_backend=cfg.attention_backend)
-                       if model is not None else SimRunner())
+                       if model is not None else
+                       SimRunner(acceptance_rate=spec.sim_acceptance_rate if spec else 0.0,
+                                 seed=spec.seed if spec else 0))
+        self.proposer, self.draft_cost_model = self._make_proposer(model) if spec else (None, None)
         self.trace = Trace()
         self.pending: list[tuple[float, int, Request]] = []   # future arrivals (heap)
         self.sim_now = 0.0
@@ -107,6 +112,37 @@ class Engine:
                              "raise kv_budget_bytes or lower block_size")
         return PagedKVCache(mc, blocks, cfg.block_size, dtype, device,
                             enable_prefix_caching=cfg.enable_prefix_caching, watermark=cfg.watermark)
+
+    def _make_proposer(self, model):
+        """Speculative decoding's proposer, and the roofline that prices a draft model
+        on the simulated GPU (the draft's own shape, or ``sim_draft_model``)."""
+        spec, cfg = self.config.speculative, self.config
+        if model is None:
+            proposer = SimProposer(spec.num_speculative_tokens, draft_model=spec.method == "draft_model")
+        elif spec.method == "ngram":
+            proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        else:
+            proposer = self._make_draft_proposer(model)
+        if spec.method != "draft_model" or self.cost_model is None:
+            return proposer, None
+        draft_cfg = spec.sim_draft_model or ("llama-3.2-1b" if model is None else proposer.model.config)
+        draft_cfg = get_preset(draft_cfg) if isinstance(draft_cfg, str) else draft_cfg
+        return proposer, RooflineCostModel(get_gpu(cfg.sim_gpu), draft_cfg, step_overhead_s=0.0)
+
+    def _make_draft_proposer(self, model):
+        from .model.registry import resolve_model
+        spec, cfg = self.config.speculative, self.config
+        if spec.draft_model is None:
+            raise ValueError("speculative method='draft_model' needs draft_model= (a Transformer, 'tiny' "
+                             "or a checkpoint directory)")
+        draft = resolve_model(spec.draft_model, device=model.device, dtype=model.dtype)
+        if draft.config.vocab_size != model.config.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size} tokens) differs from "
+                             f"the target's ({model.config.vocab_size}): a draft must share the tokenizer")
+        bs = cfg.block_size if cfg.kv_cache == "paged" else 16
+        tokens = self.kv_cache.num_blocks * self.kv_cache.block_size
+        num_blocks = -(-tokens // bs) + cfg.max_num_seqs * (-(-spec.num_speculative_tokens // bs) + 1)
+        return DraftModelProposer(draft, spec.num_speculative_tokens, num_blocks, bs, cfg.attention_backend)
 
     def _make_scheduler(self, dtype, device) -> Scheduler:
         cfg = self.config
@@ -202,7 +238,9 @@ class Engine:
                 heapq.heapify(self.pending)
                 self._arrive(req)
                 break
-        return self.scheduler.finish_requests([request_id], FinishReason.ABORT)
+        ended = self.scheduler.finish_requests([request_id], FinishReason.ABORT)
+        self._forget_stopped()
+        return ended
 
     def samples_of(self, request_id: str) -> list[Request]:
         """A request and, for n > 1, its forked samples, in order."""
@@ -215,15 +253,35 @@ class Engine:
     def step(self) -> list[Request]:
         """Run one step; returns the requests that finished in it."""
         self._release_arrivals()
+        started = self.wall_now(), self.sim_now
+        draft = self._propose()
         sched = self.scheduler.schedule(now=self.now())
         if sched.is_empty:
             self._wait_for_arrival()
             return []
-        started = self.wall_now(), self.sim_now
         result = self.runner.execute(sched)
         finished = self.scheduler.update_from_output(sched, result)
-        self._record(sched, result, started)
+        self._forget_stopped()
+        self._record(sched, result, started, draft)
         return finished
+
+    def _forget_stopped(self) -> None:
+        """The proposer drops the state (a draft's KV) of requests no longer running."""
+        if self.proposer is not None:
+            self.proposer.free_except({r.request_id for r in self.scheduler.running_requests()})
+
+    def _propose(self) -> tuple[float, float]:
+        """Speculative decoding: proposals for the running requests that decode,
+        handed to the scheduler. Returns the draft's (wall, simulated) seconds."""
+        if self.proposer is None:
+            return 0.0, 0.0
+        t0 = time.perf_counter()
+        running = self.scheduler.running_requests()
+        self._forget_stopped()
+        proposals = self.proposer.propose([r for r in running if r.is_decoding])
+        self.scheduler.set_proposals(proposals)
+        sim = self.draft_cost_model.draft_time(self.proposer.last_draft_shapes) if self.draft_cost_model else 0.0
+        return time.perf_counter() - t0, sim
 
     def _wait_for_arrival(self) -> None:
         """Nothing to run: move the clock to the next arrival."""
@@ -235,7 +293,8 @@ class Engine:
         else:
             time.sleep(max(0.0, nxt - self.wall_now()))
 
-    def _record(self, sched: SchedulerOutput, result: RunnerOutput, started: tuple[float, float]) -> None:
+    def _record(self, sched: SchedulerOutput, result: RunnerOutput, started: tuple[float, float],
+                draft: tuple[float, float] = (0.0, 0.0)) -> None:
         """Append the step to the trace (and advance the simulated clock)."""
         def first_block(rid: str) -> int:
             return self.kv_cache.block_table(rid)[0] if self.kv_cache.holds(rid) else -1
@@ -249,8 +308,9 @@ class Engine:
         sim_start = sim_end = None
         if self.cost_model is not None:
             sim_start = started[1]
-            self.sim_now = sim_end = sim_start + self.cost_model.step_time(sched.sequence_shapes(),
-                                                                           swap_bytes=sched.swap_bytes)
+            self.sim_now = sim_end = sim_start + draft[1] + self.cost_model.step_time(
+                sched.sequence_shapes(), swap_bytes=sched.swap_bytes, logits_rows=sched.num_logits_rows)
+        verified = [s for s in sched.scheduled if s.num_spec_tokens]
         self.trace.append(StepRecord(
             step=sched.step, lanes=lanes, batch_id=sched.batch_id,
             computed_tokens=useful + sched.num_padding_tokens, useful_tokens=useful,
@@ -261,7 +321,10 @@ class Engine:
             wall_start=started[0], wall_end=self.wall_now(),
             forward_s=result.forward_s, sample_s=result.sample_s,
             preempted=list(sched.preempted), swap_bytes=sched.swap_bytes,
-            sim_start=sim_start, sim_end=sim_end))
+            sim_start=sim_start, sim_end=sim_end,
+            spec_proposed=sched.num_spec_tokens, num_verifications=len(verified),
+            spec_accepted=sum(len(result.sampled_token_ids[s.request_id]) - 1 for s in verified),
+            draft_s=draft[0], draft_sim_s=draft[1] if sim_start is not None else None))
 
     def run(self, progress=None) -> list[Request]:
         """Step until every request has finished; returns them in completion order.

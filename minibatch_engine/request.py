@@ -4,7 +4,10 @@ The one number the schedulers reason about is ``num_computed_tokens``: how many
 of the request's known tokens (prompt plus outputs so far) already have K/V in
 the cache. A request needs ``num_tokens - num_computed_tokens`` more tokens
 computed before it can sample again: the whole prompt at first (prefill), then
-one token per step (decode).
+one token per step (decode). With speculative decoding (chapter 9) a decoding
+request also carries ``spec_token_ids``, proposed tokens not yet verified, and
+needs ``num_tokens_with_spec - num_computed_tokens`` tokens computed: its one
+real token plus the proposals, verified in the same forward.
 
 A request is plain data (no tensors). The scheduler is the only part that
 changes it, in ``Scheduler.update_from_output`` and ``Scheduler.finish_requests``;
@@ -49,6 +52,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0                # prompt tokens found in the prefix cache
     num_preemptions: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)   # proposals for the next step (chapter 9)
     num_recomputed_tokens: int = 0            # K/V thrown away by recompute preemption
     num_swaps: int = 0
     parent_id: str | None = None              # set on the forked samples of n > 1
@@ -75,6 +79,17 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return self.num_prompt_tokens + self.num_output_tokens
+
+    @property
+    def num_tokens_with_spec(self) -> int:
+        """Known tokens plus the proposed ones this step will verify."""
+        return self.num_tokens + len(self.spec_token_ids)
+
+    @property
+    def is_decoding(self) -> bool:
+        """Prompt done and one token to compute: the state in which tokens can be proposed."""
+        return (self.num_computed_tokens >= self.num_prompt_tokens
+                and self.num_tokens - self.num_computed_tokens == 1)
 
     @property
     def all_token_ids(self) -> list[int]:

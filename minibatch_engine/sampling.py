@@ -88,6 +88,12 @@ def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tenso
     return logits
 
 
+def sampling_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled (non-greedy) row draws from: temperature, then
+    top-k and top-p, then softmax. ``logits`` is one row ``[vocab]``."""
+    return torch.softmax(filter_logits(logits.float() / p.temperature, p.top_k, p.top_p), dim=-1)
+
+
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """Pick one token per row of ``logits`` ``[S, vocab]``; returns ``[S]`` (on device)."""
@@ -95,7 +101,5 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     for row, (p, gen) in enumerate(zip(params, generators)):
         if p.greedy:
             continue
-        filtered = filter_logits(logits[row].float() / p.temperature, p.top_k, p.top_p)
-        probs = torch.softmax(filtered, dim=-1)
-        tokens[row] = torch.multinomial(probs, 1, generator=gen)[0]
+        tokens[row] = torch.multinomial(sampling_probs(logits[row], p), 1, generator=gen)[0]
     return tokens

@@ -42,6 +42,12 @@ class StepRecord:
     sim_end: float | None = None
     preempted: list = field(default_factory=list)   # Preemption(request_id, mode, num_bytes)
     swap_bytes: int = 0                             # KV bytes copied host <-> device
+    # speculative decoding (chapter 9)
+    spec_proposed: int = 0          # proposed tokens verified this step
+    spec_accepted: int = 0          # of those, accepted by the target
+    num_verifications: int = 0      # requests that verified proposals
+    draft_s: float = 0.0            # wall seconds spent proposing (inside wall_start..wall_end)
+    draft_sim_s: float | None = None   # simulated seconds of the draft model (inside sim_start..sim_end)
 
     @property
     def padding_tokens(self) -> int:
@@ -98,6 +104,16 @@ class Trace:
             useful[s.batch_id] = useful.get(s.batch_id, 0) + s.useful_tokens
             computed[s.batch_id] = computed.get(s.batch_id, 0) + s.computed_tokens
         return {b: useful[b] / computed[b] for b in sorted(computed)}
+
+    def acceptance_rate(self) -> float:
+        """Accepted proposed tokens over proposed tokens, for the whole run."""
+        proposed = sum(s.spec_proposed for s in self.steps)
+        return sum(s.spec_accepted for s in self.steps) / proposed if proposed else float("nan")
+
+    def mean_accepted_per_verification(self) -> float:
+        """Proposed tokens accepted per verification (each also yields one target token)."""
+        n = sum(s.num_verifications for s in self.steps)
+        return sum(s.spec_accepted for s in self.steps) / n if n else float("nan")
 
     def end_time(self, clock: str = "wall") -> float:
         if not self.steps:

@@ -344,3 +344,22 @@ def test_every_knob_together_matches_the_lone_recompute(tiny64, data, block_size
                 prompt, g = prompts[r.request_id]
                 assert sample.output_token_ids == reference_generate(tiny64, prompt, g)
     assert_all_memory_back(engine)
+
+
+def test_trained_models_load_by_name_with_their_tokenizer():
+    llm = LLM("tiny-py", max_num_seqs=2)
+    assert type(llm.tokenizer).__name__ == "ByteTokenizer"
+    out = llm.generate(["def "], SamplingParams(max_tokens=8), use_tqdm=False)[0]
+    assert isinstance(out.text, str) and len(out.token_ids) == 8
+
+
+@pytest.mark.parametrize("max_model_len", [96, 100, 1024])
+def test_sdpa_reads_reserved_rows_in_pieces_and_stays_exact(tiny64, max_model_len):
+    """A reserved row is one big block; the sdpa backend gathers it in smaller
+    pieces (gcd with 64 slots) and must give the same tokens."""
+    engine = Engine(tiny64, scheduler="continuous", kv_cache="reserved", max_num_seqs=3,
+                    max_model_len=max_model_len, attention_backend="sdpa")
+    prompts = [[1, 2, 3, 4, 5], list(range(10, 40)), [7]]
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts]
+    engine.run()
+    assert [r.output_token_ids for r in reqs] == [reference_generate(tiny64, p, 12) for p in prompts]

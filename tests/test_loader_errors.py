@@ -267,3 +267,43 @@ def test_load_tokenizer_errors(tmp_path):
     with pytest.raises(CheckpointError, match="only describes shapes"):
         load_tokenizer("llama-2-7b")
 
+
+
+@pytest.mark.parametrize("content,problem", [
+    ("{\"model\": {\"type\": \"BPE\"", "is not valid JSON"),
+    ("[1, 2, 3]", "should hold a JSON object, got list"),
+    ("\"just a string\"", "should hold a JSON object, got str"),
+    (b"\xff\xfe{}", "is not valid JSON"),
+], ids=["truncated", "list", "string", "not-utf8"])
+def test_corrupt_tokenizer_json_names_the_file(tmp_path, content, problem):
+    (tmp_path / "tokenizer.json").write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(CheckpointError, match=problem) as err:
+        load_tokenizer(tmp_path)
+    assert "tokenizer.json" in str(err.value) and str(tmp_path) in str(err.value)
+
+
+def test_tokenizer_json_object_that_is_no_tokenizer(tmp_path):
+    pytest.importorskip("tokenizers")
+    (tmp_path / "tokenizer.json").write_text(json.dumps({"hello": "world"}))
+    with pytest.raises(CheckpointError, match="tokenizer.json in .* is not a tokenizer"):
+        load_tokenizer(tmp_path)
+
+
+def test_corrupt_tokenizer_config_names_the_file(tmp_path):
+    (tmp_path / "tokenizer_config.json").write_text("{oops")
+    with pytest.raises(CheckpointError, match="tokenizer_config.json in .* is not valid JSON"):
+        load_tokenizer(tmp_path)
+
+
+def test_checkpoint_declares_the_byte_tokenizer(tmp_path):
+    cfg = tmp_path / "tokenizer_config.json"
+    cfg.write_text(json.dumps({"minibatch_engine_tokenizer": "byte", "eos_token_id": EOS_ID}))
+    tok = load_tokenizer(tmp_path)
+    assert isinstance(tok, ByteTokenizer) and tok.eos_token_id == EOS_ID
+    cfg.write_text(json.dumps({"minibatch_engine_tokenizer": "byte", "eos_token_id": 2}))
+    with pytest.raises(CheckpointError, match="eos_token_id=2, but the byte tokenizer's "
+                                              f"eos_token_id is {EOS_ID}"):
+        load_tokenizer(tmp_path)
+    cfg.write_text(json.dumps({"minibatch_engine_tokenizer": "unicorn"}))
+    with pytest.raises(CheckpointError, match="'unicorn'; the only one built in is 'byte'"):
+        load_tokenizer(tmp_path)

@@ -163,9 +163,16 @@ def test_every_tensor_on_the_model_device(device):
 
         def wrapped(sched):
             ids, pos, meta = prepare(sched)
-            tensors = [ids, pos, *(v for v in vars(meta).values() if isinstance(v, torch.Tensor))]
-            for g in meta.groups:
-                tensors += [v for v in vars(g).values() if isinstance(v, torch.Tensor)]
+            def tensors_in(obj, depth=0):
+                if isinstance(obj, torch.Tensor):
+                    return [obj]
+                if isinstance(obj, (list, tuple)):
+                    return [t for x in obj for t in tensors_in(x, depth)]
+                if depth < 2 and hasattr(obj, "__dataclass_fields__"):
+                    return [t for k in obj.__dataclass_fields__ if not k.startswith("_")
+                            for t in tensors_in(getattr(obj, k), depth + 1)]
+                return []
+            tensors = [ids, pos, *tensors_in(meta)]
             seen.append({t.device.type for t in tensors})
             return ids, pos, meta
         runner.prepare_inputs = wrapped

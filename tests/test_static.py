@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minibatch_engine import Engine, EngineConfig, SamplingParams, reference_generate
-from minibatch_engine.efficiency import eta_padded, eta_run, eta_textbook, split_batches
+from minibatch_engine.book.efficiency import eta_padded, eta_run, eta_textbook, split_batches
 
 
 def test_formulas_on_a_worked_example():

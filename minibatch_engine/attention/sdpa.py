@@ -28,10 +28,18 @@ arithmetic and cuts the traffic (measured in ``benchmarks/attention_backends.py`
 
 The bucketing, the masks and the per-sequence plans are computed once per step
 in :meth:`SdpaBackend.build_metadata`; the layers only gather and call SDPA.
+
+Large blocks are read in smaller pieces: a reserved cache's block is a whole
+``max_model_len`` row, and gathering it whole would copy every empty slot of
+the row. Since a block's slots are contiguous, a block of ``B`` slots is also
+``B / b`` blocks of ``b`` slots (``b = gcd(B, max_gather_block)``), and the
+block table is rewritten at that granularity before planning.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -97,13 +105,22 @@ class SdpaBackend(AttentionBackend):
 
     name = "sdpa"
 
-    def __init__(self, max_waste: float = 0.125):
+    def __init__(self, max_waste: float = 0.125, max_gather_block: int = 64):
         if not 0 <= max_waste < 1:
             raise ValueError(f"max_waste must be in [0, 1), got {max_waste}")
-        self.max_waste = max_waste
+        if max_gather_block < 1:
+            raise ValueError(f"max_gather_block must be >= 1, got {max_gather_block}")
+        self.max_waste, self.max_gather_block = max_waste, max_gather_block
 
     def build_metadata(self, query_lens, seq_lens, block_tables=None, block_size=0, device="cpu"):
         fields = batch_fields(query_lens, seq_lens, block_tables, block_size)
+        if fields["block_tables"] is not None and block_size > self.max_gather_block:
+            # read big blocks (reserved rows) in pieces of `sub` slots: same slots, finer table
+            sub = math.gcd(block_size, self.max_gather_block)
+            r = block_size // sub
+            bt = fields["block_tables"]
+            fields["block_tables"] = (bt[:, :, None] * r + torch.arange(r)).reshape(bt.shape[0], -1)
+            fields["block_size"] = block_size = sub
         qstart, bt = fields["query_start_loc"].tolist(), fields["block_tables"]
         dev = torch.device(device)
         decode = [s for s, q in enumerate(query_lens) if q == 1] if bt is not None else []

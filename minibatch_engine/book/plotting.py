@@ -36,6 +36,9 @@ COLORS = {
     "priority": "#4C72B0",     # blue: priority scheduling
     "priority + aging": "#64B5CD",
     "fair": "#55A868",         # green: fair share (VTC)
+    "off": "#8C8C8C",          # grey: no speculative decoding
+    "ngram": "#DA8BC3",        # pink: n-gram (prompt lookup) proposals
+    "draft model": "#937860",  # brown: draft-model proposals
 }
 LANE_KINDS = ("idle", "prefill", "decode", "pad")
 
@@ -274,9 +277,9 @@ def request_timeline(trace, request_ids: Sequence[str], arrival_steps: Mapping[s
         for rid, a in arrivals.items():
             if a == j and rid in row:
                 state[rid] = "waiting"
-        for rid, how in step.preempted:          # taken in this step's scheduling
-            if rid in row:
-                state[rid] = "preempted" if how == "recompute" else "swapped"
+        for p in step.preempted:                 # taken in this step's scheduling
+            if p.request_id in row:
+                state[p.request_id] = "preempted" if p.mode == "recompute" else "swapped"
         ran = {lane.request_id: lane.kind for lane in step.lanes
                if lane.request_id in row and lane.kind != "pad"}
         for rid in request_ids:
@@ -321,4 +324,20 @@ def service_over_time(panels: Mapping[str, Mapping[str, tuple[Sequence[float], S
     axes[0].legend()
     if title:
         fig.suptitle(title)
+def tokens_per_step(counts: Mapping[str, Sequence[int]], ax=None, title: str | None = None,
+                    figsize=(5, 3.2)):
+    """Speculative decoding: for each proposer, how many request-steps gained
+    1, 2, ... tokens (``counts[name][i]`` request-steps gained ``i + 1``)."""
+    fig, ax = _axes(ax, figsize)
+    width = 0.8 / max(1, len(counts))
+    for j, (label, c) in enumerate(counts.items()):
+        x = np.arange(1, len(c) + 1) + (j - (len(counts) - 1) / 2) * width
+        ax.bar(x, c, width=width, label=label, color=COLORS.get(label))
+    n = max(len(c) for c in counts.values())
+    ax.set_xticks(np.arange(1, n + 1))
+    ax.set_xlabel("tokens gained by a request in one step")
+    ax.set_ylabel("request-steps")
+    ax.legend()
+    if title:
+        ax.set_title(title)
     return fig

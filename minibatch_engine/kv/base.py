@@ -62,6 +62,11 @@ class KVCacheManager(Protocol):
                       prev_computed: int = 0) -> None:
         """Tokens ``prev_computed .. num_computed - 1`` of the request now have K/V."""
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Keep only the first ``num_tokens`` token slots of the request: those after
+        them (speculative tokens the target rejected) are given back, whole
+        trailing blocks freed."""
+
     def fork(self, parent_id: str, child_id: str) -> None:
         """``child_id`` shares every block of ``parent_id`` (parallel sampling)."""
 

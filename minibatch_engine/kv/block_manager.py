@@ -200,16 +200,35 @@ class BlockManager:
         self.num_cow_copies += len(copies)
         return copies
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """Drop the request's blocks past its first ``num_tokens`` tokens (speculative
+        rollback). Those blocks were written this step after the accepted tokens,
+        so none holds a registered prefix; the last kept block's fill is trimmed."""
+        table = self.block_tables.get(request_id)
+        if table is None:
+            return
+        keep = self.blocks_for(num_tokens)
+        while len(table) > keep:
+            self._drop(table.pop())
+        if table:
+            last = self.blocks[table[-1]]
+            last.num_filled = min(last.num_filled, num_tokens - (len(table) - 1) * self.block_size)
+
+    def _drop(self, block_id: int) -> None:
+        """One reference fewer; a block nobody holds returns to the free list
+        (keeping its cached identity until it is handed out again)."""
+        b = self.blocks[block_id]
+        b.ref_count -= 1
+        if b.ref_count == 0:
+            if b.hash is None:
+                b.num_filled = 0
+            self.free[block_id] = None
+
     def free_request(self, request_id: str) -> None:
         """Drop a request's references; blocks nobody holds return to the free list
         (keeping their cached identity until they are handed out again)."""
         for block_id in reversed(self.block_tables.pop(request_id, [])):
-            b = self.blocks[block_id]
-            b.ref_count -= 1
-            if b.ref_count == 0:
-                if b.hash is None:
-                    b.num_filled = 0
-                self.free[block_id] = None
+            self._drop(block_id)
 
     # --- accounting ------------------------------------------------------------------
     def used_tokens(self) -> int:

@@ -67,6 +67,9 @@ class PagedKVCache(PoolBacked):
                       prev_computed: int = 0) -> None:
         self.manager.mark_computed(request_id, token_ids, num_computed, prev_computed)
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        self.manager.truncate(request_id, num_tokens)
+
     def fork(self, parent_id: str, child_id: str) -> None:
         self.manager.fork(parent_id, child_id)
 

@@ -76,6 +76,11 @@ class ReservedKVCache(PoolBacked):
         if request_id in self.row_of:
             self.num_tokens[request_id] = num_computed
 
+    def truncate(self, request_id: str, num_tokens: int) -> None:
+        """A row stays reserved whole; only the count of held tokens shrinks."""
+        if request_id in self.num_tokens:
+            self.num_tokens[request_id] = min(self.num_tokens[request_id], num_tokens)
+
     def fork(self, parent_id: str, child_id: str) -> None:
         raise ValueError("parallel sampling (n > 1) forks sequences and needs the paged KV cache "
                          "(kv_cache='paged')")

@@ -109,13 +109,18 @@ LLAMA_3_70B = ModelConfig(
     family="llama", name="llama-3-70b", vocab_size=128256, hidden_size=8192, num_layers=80,
     num_heads=64, num_kv_heads=8, intermediate_size=28672, max_position=8192,
     rope_theta=500000.0)
+# Llama 3.2 1B shares Llama 3's tokenizer: the usual draft for an 8B or 70B target.
+LLAMA_3_2_1B = ModelConfig(
+    family="llama", name="llama-3.2-1b", vocab_size=128256, hidden_size=2048, num_layers=16,
+    num_heads=32, num_kv_heads=8, intermediate_size=8192, max_position=8192,
+    rope_theta=500000.0, tie_word_embeddings=True)
 GPT2_SMALL = ModelConfig(
     family="gpt2", name="gpt2", vocab_size=50257, hidden_size=768, num_layers=12,
     num_heads=12, num_kv_heads=12, intermediate_size=3072, max_position=1024,
     tie_word_embeddings=True)
 
 PRESETS: dict[str, ModelConfig] = {
-    c.name: c for c in (TINY, LLAMA_2_7B, LLAMA_2_13B, LLAMA_3_8B, LLAMA_3_70B, GPT2_SMALL)
+    c.name: c for c in (TINY, LLAMA_2_7B, LLAMA_2_13B, LLAMA_3_8B, LLAMA_3_70B, LLAMA_3_2_1B, GPT2_SMALL)
 }
 
 

@@ -1,7 +1,9 @@
 """Resolving a model argument, written once for every front door.
 
-``model`` may be ``"tiny"`` (the built-in seeded model), a directory holding a
-Hugging Face checkpoint, or an already built :class:`Transformer`. The
+``model`` may be ``"tiny"`` (the built-in seeded model), the name of a small
+trained model shipped with the package (``"tiny-py"``, ``"tiny-py-draft"``), a
+directory holding a Hugging Face checkpoint, or an already built
+:class:`Transformer`. The
 tokenizer comes from where the model came from; a checkpoint without one runs
 token-id prompts only (vLLM's ``skip_tokenizer_init``).
 """
@@ -11,7 +13,8 @@ from pathlib import Path
 
 from .config import PRESETS
 from .loader import CheckpointError
-from .tokenizer import ByteTokenizer, HFTokenizer
+from .tokenizer import TOKENIZER_KEY, ByteTokenizer, HFTokenizer, load_tokenizer
+from .trained import TRAINED_MODELS, trained_model_path
 from .transformer import Transformer
 
 BUILT_IN = ("tiny",)
@@ -25,8 +28,10 @@ def tokenizer_for(source) -> ByteTokenizer | HFTokenizer | None:
     if isinstance(source, str) and source.lower() in BUILT_IN:
         return ByteTokenizer()
     path = Path(source)
-    if (path / "tokenizer.json").is_file():
-        return HFTokenizer(path)
+    has_byte_marker = (path / "tokenizer_config.json").is_file() and \
+        TOKENIZER_KEY in (path / "tokenizer_config.json").read_text()
+    if has_byte_marker or (path / "tokenizer.json").is_file():
+        return load_tokenizer(path)
     return None
 
 
@@ -42,10 +47,13 @@ def resolve_model(model="tiny", device="auto", dtype="float32", seed: int = 0) -
                         f"got {type(model).__name__}")
     if isinstance(model, str) and model.lower() in BUILT_IN:
         return build_model(model.lower(), device=device, dtype=dtype, seed=seed)
+    if isinstance(model, str) and model.lower() in TRAINED_MODELS:
+        model = trained_model_path(model.lower())
     path = Path(model)
     if isinstance(model, str) and model.lower() in PRESETS and not path.exists():
         raise ValueError(f"{model!r} is a shape-only preset without weights: use it with the simulator "
                          f"(sim_model={model!r}, or the `simulate` command), or pass a checkpoint directory")
     if not path.is_dir():
-        raise CheckpointError(f"model {str(model)!r} is not 'tiny', a preset or a checkpoint directory")
+        raise CheckpointError(f"model {str(model)!r} is not 'tiny', a trained model "
+                              f"({', '.join(TRAINED_MODELS)}) or a checkpoint directory")
     return load_model(path, device=device, dtype=dtype)

@@ -7,6 +7,12 @@ Two implementations with one interface (``encode``, ``decode``, ``eos_token_id``
   own token (ids 0..255), plus three special ids (BOS, EOS, PAD). No files needed.
 * :class:`HFTokenizer` for a Hugging Face checkpoint: wraps the ``tokenizer.json``
   found next to the weights, using the optional ``tokenizers`` package.
+
+:func:`load_tokenizer` picks one for a model. A checkpoint folder says it uses the
+byte tokenizer (as the trained ``tiny-py`` models do) with a ``tokenizer_config.json``
+holding ``{"minibatch_engine_tokenizer": "byte"}`` (Hugging Face ignores the key);
+optional ``bos_token_id``/``eos_token_id``/``pad_token_id`` there are checked
+against the byte tokenizer's ids. Otherwise the folder needs a ``tokenizer.json``.
 """
 from __future__ import annotations
 
@@ -65,11 +71,40 @@ class ByteTokenizer:
         return "ByteTokenizer()"
 
 
+#: key of ``tokenizer_config.json`` naming one of our own tokenizers, and its values
+TOKENIZER_KEY = "minibatch_engine_tokenizer"
+BYTE_TOKENIZER = "byte"
+
+
 def _read_json(file: Path) -> dict:
+    """A side file (``config.json``, ``generation_config.json``) that only supplies
+    fallback ids: missing or unreadable means "no information"."""
     try:
-        return json.loads(file.read_text()) if file.is_file() else {}
-    except json.JSONDecodeError:
+        data = json.loads(file.read_text()) if file.is_file() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError):
         return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _read_json_object(file: Path) -> dict:
+    """A tokenizer file that must be a JSON object; anything else is a clear error."""
+    return json.loads(_json_object_text(file))
+
+
+def _json_object_text(file: Path) -> str:
+    """The text of ``file``, checked to be one JSON object (else a :class:`CheckpointError`
+    naming the file)."""
+    try:
+        text = file.read_text(encoding="utf-8")
+        data = json.loads(text)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{file.name} in {str(file.parent)!r} is not valid JSON ({e}); "
+                              "replace it with the checkpoint's original file") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{file.name} in {str(file.parent)!r} should hold a JSON object, "
+                              f"got {type(data).__name__}; replace it with the checkpoint's "
+                              "original file")
+    return text
 
 
 class HFTokenizer:
@@ -86,21 +121,27 @@ class HFTokenizer:
 
     def __init__(self, path: str | Path, eos_token_id: int | None = None,
                  bos_token_id: int | None = None, pad_token_id: int | None = None):
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:
-            raise ImportError("HFTokenizer needs the optional 'tokenizers' package: "
-                              "pip install 'minibatch-engine[hf]'") from None
         path = Path(path)
         file = path / "tokenizer.json"
         if not file.is_file():
             raise CheckpointError(f"no tokenizer.json in {str(path)!r}")
         self.path = path
-        self._tok = Tokenizer.from_file(str(file))
+        text = _json_object_text(file)      # a broken file is named before anything else
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise ImportError("HFTokenizer needs the optional 'tokenizers' package: "
+                              "pip install 'minibatch-engine[hf]'") from None
+        try:
+            self._tok = Tokenizer.from_str(text)
+        except Exception as e:      # the tokenizers package raises a bare Exception
+            raise CheckpointError(f"tokenizer.json in {str(path)!r} is not a tokenizer the "
+                                  f"'tokenizers' package can read: {e}") from None
 
         cfg = _read_json(path / "config.json")
         gen = _read_json(path / "generation_config.json")
-        tok_cfg = _read_json(path / "tokenizer_config.json")
+        tok_file = path / "tokenizer_config.json"
+        tok_cfg = _read_json_object(tok_file) if tok_file.is_file() else {}
 
         def pick(explicit, key):
             for value in (explicit, cfg.get(key), gen.get(key)):
@@ -152,12 +193,35 @@ class HFTokenizer:
         return f"HFTokenizer({str(self.path)!r}, vocab_size={self.vocab_size})"
 
 
+def _byte_tokenizer_for(path: Path, tok_cfg: dict) -> ByteTokenizer:
+    """The byte tokenizer a checkpoint asks for, after checking its special ids."""
+    file = path / "tokenizer_config.json"
+    kind = tok_cfg[TOKENIZER_KEY]
+    if kind != BYTE_TOKENIZER:
+        raise CheckpointError(f"{file.name} in {str(path)!r} names tokenizer "
+                              f"{TOKENIZER_KEY}={kind!r}; the only one built in is "
+                              f"{BYTE_TOKENIZER!r}")
+    tok = ByteTokenizer()
+    for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if key in tok_cfg and tok_cfg[key] != getattr(tok, key):
+            raise CheckpointError(f"{file.name} in {str(path)!r} says {key}={tok_cfg[key]!r}, but "
+                                  f"the byte tokenizer's {key} is {getattr(tok, key)}")
+    return tok
+
+
 def load_tokenizer(path_or_preset: str | Path) -> ByteTokenizer | HFTokenizer:
-    """The tokenizer for a model: :class:`ByteTokenizer` for the ``"tiny"`` preset,
+    """The tokenizer for a model: :class:`ByteTokenizer` for the ``"tiny"`` preset
+    and for a checkpoint whose ``tokenizer_config.json`` says
+    ``"minibatch_engine_tokenizer": "byte"`` (the trained ``tiny-py`` models);
     :class:`HFTokenizer` for a checkpoint directory holding ``tokenizer.json``."""
     if isinstance(path_or_preset, str) and path_or_preset.lower() == "tiny":
         return ByteTokenizer()
     path = Path(path_or_preset)
+    tok_cfg_file = path / "tokenizer_config.json"
+    if tok_cfg_file.is_file():
+        tok_cfg = _read_json_object(tok_cfg_file)
+        if TOKENIZER_KEY in tok_cfg:
+            return _byte_tokenizer_for(path, tok_cfg)
     if (path / "tokenizer.json").is_file():
         return HFTokenizer(path)
     if isinstance(path_or_preset, str) and path_or_preset.lower() in PRESETS and not path.exists():

@@ -20,9 +20,10 @@ import torch
 
 from ..attention import get_attention_backend
 from ..model.config import PAD_ID
-from ..sampling import sample
+from ..sampling import sample, sampling_probs
 from ..scheduler.base import SchedulerOutput
-from .base import Runner, RunnerOutput, sampling_rows
+from ..speculative.verify import rejection_sample, verify_greedy
+from .base import Runner, RunnerOutput
 
 
 class ModelRunner(Runner):
@@ -36,18 +37,26 @@ class ModelRunner(Runner):
         self.generators: dict[str, torch.Generator] = {}   # request id -> its sampling RNG
 
     def prepare_inputs(self, sched: SchedulerOutput):
-        """(input_ids, positions, attention metadata) of the step, on the device."""
+        """(input_ids, positions, attention metadata) of the step, on the device.
+
+        The metadata's ``logits_indices`` select one row per sequence (its last
+        token), and for a request verifying k proposed tokens the k + 1 rows of
+        its last known token and its proposals, in the scheduled order."""
         ids: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens, tables = [], [], []
+        logits_rows: list[int] = []
         for s in sched.scheduled:
-            ids += s.request.all_token_ids[s.start:s.start + s.num_tokens]
+            end = len(ids) + s.num_tokens
+            logits_rows += range(end - 1 - s.num_spec_tokens, end)
+            ids += s.token_ids
             positions += range(s.start, s.start + s.num_tokens)
             query_lens.append(s.num_tokens)
             seq_lens.append(s.start + s.num_tokens)
             tables.append(self.kv_cache.block_table(s.request_id))
         null = self.kv_cache.pool.null_block
         for p in sched.padding:
+            logits_rows.append(len(ids) + p.num_tokens - 1)
             ids += [self.pad_token_id] * p.num_tokens
             positions += range(p.start_position, p.start_position + p.num_tokens)
             query_lens.append(p.num_tokens)
@@ -56,6 +65,8 @@ class ModelRunner(Runner):
             tables.append(p.block_table if p.block_table is not None else [null] * n_blocks)
         meta = self.attention.build_metadata(query_lens, seq_lens, tables, self.kv_cache.block_size,
                                              device=self.device)
+        if sched.num_spec_tokens:
+            meta.logits_indices = torch.tensor(logits_rows, dtype=torch.long).to(self.device)
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
         return input_ids, pos, meta
@@ -87,15 +98,28 @@ class ModelRunner(Runner):
         self._sync()
         t1 = time.perf_counter()
         # One row of the step's logits per sampling request; the samples forked
-        # from an n > 1 request draw from their parent's row.
-        rows, seqs = [], []
-        for i, s in sampling_rows(sched):
-            for seq in [s.request, *s.forks]:
-                rows.append(i)
-                seqs.append(seq)
+        # from an n > 1 request draw from their parent's row. A request with
+        # proposals has k + 1 rows and is verified instead.
+        rows, seqs, row = [], [], 0
+        for s in sched.scheduled:
+            if s.num_spec_tokens:
+                out.sampled_token_ids[s.request_id] = self._verify(s, logits[row:row + s.num_spec_tokens + 1])
+            elif s.samples:
+                for seq in [s.request, *s.forks]:
+                    rows.append(row)
+                    seqs.append(seq)
+            row += s.num_spec_tokens + 1
         if rows:
             tokens = sample(logits[rows], [r.sampling_params for r in seqs],
                             [self._generator(r) for r in seqs]).tolist()
-            out.sampled_token_ids = {r.request_id: [t] for r, t in zip(seqs, tokens)}
+            out.sampled_token_ids.update({r.request_id: [t] for r, t in zip(seqs, tokens)})
         out.forward_s, out.sample_s = t1 - t0, time.perf_counter() - t1
         return out
+
+    def _verify(self, s, logits: torch.Tensor) -> list[int]:
+        """Accepted proposals plus one token from the target (chapter 9)."""
+        p = s.request.sampling_params
+        if p.greedy:
+            return verify_greedy(torch.argmax(logits, dim=-1).tolist(), s.spec_token_ids)
+        probs = torch.stack([sampling_probs(row, p) for row in logits])
+        return rejection_sample(probs, s.spec_token_ids, generator=self._generator(s.request))

@@ -1,19 +1,32 @@
 """SimRunner: no model at all. It returns a placeholder token for every request
 that samples, so a scheduler can be driven at production scale (an 8B model on
-an H100) on a laptop; the time comes from the engine's cost model."""
+an H100) on a laptop; the time comes from the engine's cost model.
+
+Speculative decoding needs to know how many proposals the target would accept,
+which depends on the text. The simulator models it: each proposed token is
+accepted with probability ``acceptance_rate``, independently, in order, until
+the first rejection (a seeded Bernoulli draw; the i.i.d. assumption of
+Leviathan et al. 2023, section 3.5). Then comes one target token, as always.
+"""
 from __future__ import annotations
+
+import random
 
 from ..scheduler.base import SchedulerOutput
 from .base import Runner, RunnerOutput, sampling_rows
 
 
 class SimRunner(Runner):
-    def __init__(self, token_id: int = 0):
-        self.token_id = token_id
+    def __init__(self, token_id: int = 0, acceptance_rate: float = 0.0, seed: int = 0):
+        self.token_id, self.acceptance_rate = token_id, acceptance_rate
+        self.rng = random.Random(seed)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         out = RunnerOutput()
         for _, s in sampling_rows(sched):
+            accepted = 0
+            while accepted < s.num_spec_tokens and self.rng.random() < self.acceptance_rate:
+                accepted += 1
             for seq in [s.request, *s.forks]:
-                out.sampled_token_ids[seq.request_id] = [self.token_id]
+                out.sampled_token_ids[seq.request_id] = s.spec_token_ids[:accepted] + [self.token_id]
         return out

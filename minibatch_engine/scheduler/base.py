@@ -27,30 +27,44 @@ if TYPE_CHECKING:
 
 @dataclass
 class ScheduledRequest:
-    """``num_tokens`` of ``request``'s known tokens, from position ``start`` on.
+    """``num_tokens`` of ``request``'s tokens, from position ``start`` on.
 
     Built by the scheduler and read-only afterwards: ``start`` is the request's
     ``num_computed_tokens`` when it was scheduled, ``samples`` says whether this
     step computes its last known token (then a new token is sampled), and
     ``forks`` lists the samples of an ``n > 1`` request that are forked from the
-    same logits.
+    same logits. ``spec_token_ids``: the proposed tokens among the
+    ``num_tokens`` (after the known ones), verified by this step (chapter 9).
     """
     request: Request
     num_tokens: int
     start: int = -1
     samples: bool = False
     forks: list[Request] = field(default_factory=list)
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         if self.start < 0:
             self.start = self.request.num_computed_tokens
-        self.samples = self.start + self.num_tokens == self.request.num_tokens
+        end, known = self.start + self.num_tokens, self.request.num_tokens
+        self.samples = end >= known
+        self.spec_token_ids = list(self.request.spec_token_ids[:max(0, end - known)])
+
+    @property
+    def num_spec_tokens(self) -> int:
+        return len(self.spec_token_ids)
+
+    @property
+    def token_ids(self) -> list[int]:
+        """The tokens this step computes: known ones, then the proposals."""
+        end = self.start + self.num_tokens - self.num_spec_tokens
+        return self.request.all_token_ids[self.start:end] + self.spec_token_ids
 
     @property
     def is_prefill(self) -> bool:
         """True for prompt work (a whole prompt or a chunk of it) and for the
         multi-token recompute of a request resuming after preemption."""
-        return self.num_tokens > 1 or self.start < self.request.num_prompt_tokens
+        return self.num_tokens - self.num_spec_tokens > 1 or self.start < self.request.num_prompt_tokens
 
     @property
     def request_id(self) -> str:
@@ -114,6 +128,16 @@ class SchedulerOutput:
         """KV bytes copied between host and device this step, both ways."""
         return sum(p.num_bytes for p in self.preempted) + sum(s.num_bytes for s in self.swapped_in)
 
+    @property
+    def num_spec_tokens(self) -> int:
+        """Proposed tokens this step verifies (speculative decoding)."""
+        return sum(s.num_spec_tokens for s in self.scheduled)
+
+    @property
+    def num_logits_rows(self) -> int:
+        """Rows of logits the step needs: one per sequence, plus one per proposed token."""
+        return len(self.scheduled) + len(self.padding) + self.num_spec_tokens
+
     def sequence_shapes(self) -> list[tuple[int, int]]:
         """(new tokens, context length after the step) of every sequence the step
         computes, padding included: what a cost model needs."""
@@ -176,8 +200,11 @@ class Scheduler:
             r = s.request
             if r.is_finished:             # ended from outside since it was scheduled
                 continue
-            r.num_computed_tokens = s.start + s.num_tokens
-            self.kv_cache.mark_computed(r.request_id, r.all_token_ids, r.num_computed_tokens, s.start)
+            if s.num_spec_tokens:
+                self._verified(r, s, out.sampled_token_ids[r.request_id])
+            else:
+                r.num_computed_tokens = s.start + s.num_tokens
+                self.kv_cache.mark_computed(r.request_id, r.all_token_ids, r.num_computed_tokens, s.start)
             if not s.samples:
                 continue
             for child in s.forks:
@@ -190,6 +217,36 @@ class Scheduler:
                         self._end(seq)
                         break
         return finished
+
+    def _verified(self, r: Request, s: ScheduledRequest, sampled: list[int]) -> None:
+        """Speculative rollback. ``sampled`` is the accepted prefix of the proposals
+        plus one token from the target, so only ``len(sampled) - 1`` proposals
+        count as computed: the K/V slots of the rejected ones are given back (the
+        trailing blocks freed), and only blocks of accepted tokens can enter the
+        prefix cache."""
+        accepted = len(sampled) - 1
+        if not 0 <= accepted <= s.num_spec_tokens or sampled[:accepted] != s.spec_token_ids[:accepted]:
+            raise RuntimeError(f"request {r.request_id}: the runner returned {sampled} for proposals "
+                               f"{s.spec_token_ids}: not an accepted prefix plus one token")
+        r.num_computed_tokens = s.start + s.num_tokens - s.num_spec_tokens + accepted
+        r.spec_token_ids = []
+        self.kv_cache.truncate(r.request_id, r.num_computed_tokens)
+        self.kv_cache.mark_computed(r.request_id, r.all_token_ids + sampled[:accepted],
+                                    r.num_computed_tokens, s.start)
+
+    def set_proposals(self, proposals: dict[str, list[int]]) -> None:
+        """Speculative decoding: every running request's proposals for the next step
+        (a request missing from ``proposals`` gets none). Only a decoding request
+        takes proposals, capped so that verifying them cannot run past
+        ``max_tokens``: k proposals yield at most k + 1 tokens."""
+        for r in self.running_requests():
+            spec = proposals.get(r.request_id, []) if r.is_decoding else []
+            room = r.sampling_params.max_tokens - r.num_output_tokens - 1
+            r.spec_token_ids = [int(t) for t in spec[:max(0, room)]]
+
+    def running_requests(self) -> list[Request]:
+        """Requests that may run this step (speculation proposes only for these)."""
+        return []
 
     def finish_requests(self, request_ids: str | Iterable[str],
                         reason: FinishReason = FinishReason.ABORT) -> list[Request]:

@@ -10,7 +10,9 @@ requests' decode tokens.
 How many tokens a request computes follows one rule, the one vLLM V1 uses for
 every case: everything it knows but has not computed,
 ``num_tokens - num_computed_tokens``, capped by what is left of the step's
-token budget (``max_num_batched_tokens``). Without a budget that is the whole
+token budget (``max_num_batched_tokens``); with speculative decoding the
+known tokens include a decoding request's proposals
+(``num_tokens_with_spec``), so verifying them is the same rule. Without a budget that is the whole
 prompt for a newcomer and one token for a decoding request. With a budget and
 chunked prefill (Sarathi-Serve), decode tokens are scheduled first and prompts
 fill what is left in chunks, so a long prompt no longer stalls everyone's next
@@ -118,6 +120,9 @@ class ContinuousScheduler(Scheduler):
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    def running_requests(self) -> list[Request]:
+        return list(self.running)
+
     @property
     def num_running(self) -> int:
         return len(self.running)
@@ -128,11 +133,12 @@ class ContinuousScheduler(Scheduler):
 
     # --- one step -------------------------------------------------------------------
     def _grant(self, req: Request, budget: int) -> int:
-        """Tokens ``req`` may compute this step with ``budget`` left (0: none)."""
-        remaining = req.num_tokens - req.num_computed_tokens
+        """Tokens ``req`` may compute this step with ``budget`` left (0: none).
+        A decoding request's proposed tokens are optional: a tight budget trims them."""
+        remaining = req.num_tokens_with_spec - req.num_computed_tokens
         if remaining <= budget:
             return remaining
-        return budget if self.enable_chunked_prefill else 0
+        return int(budget) if self.enable_chunked_prefill or req.is_decoding else 0
 
     def _schedule(self) -> SchedulerOutput:
         """One step: running requests first (decode tokens, then prefill chunks),
@@ -153,7 +159,7 @@ class ContinuousScheduler(Scheduler):
             while i < len(self.running):
                 req = self.running[i]
                 remaining = req.num_tokens - req.num_computed_tokens
-                decoding = remaining == 1 and req.num_computed_tokens >= req.num_prompt_tokens
+                decoding = req.is_decoding
                 n = 0 if decoding != decode_pass or id(req) in step.granted else self._grant(req, step.budget)
                 spans = not decode_pass and n > 0 and (n < remaining or req.num_computed_tokens > 0)
                 if n == 0 or (spans and step.partial >= self.max_num_partial_prefills):

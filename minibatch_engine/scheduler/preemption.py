@@ -51,6 +51,7 @@ class Preemptor:
     def preempt(self, victim: Request) -> Preemption:
         """Take the victim's KV memory; returns what was done (mode and bytes)."""
         victim.status = RequestStatus.PREEMPTED
+        victim.spec_token_ids = []        # proposals are for the next step only
         victim.num_preemptions += 1
         if self.mode == "swap" and self.swap_space.can_swap_out(len(self.kv_cache.block_table(victim.request_id))):
             nbytes = self.kv_cache.swap_out(victim.request_id, self.swap_space)

@@ -8,6 +8,11 @@ step time = max(FLOPs / peak FLOP/s, bytes moved / HBM bandwidth) + overhead
 * Bytes: every weight is read once per step (whatever the batch), each
   sequence's cached K/V is read once, and the new tokens' K/V written once.
 * overhead: a fixed per-step cost (scheduling, kernel launches, sampling).
+* speculative decoding: verifying k proposals is k + 1 query tokens of one
+  sequence (and k + 1 rows of the LM head), priced like any other tokens; a
+  draft model's k forwards are priced by the same roofline for the draft's
+  shape (:meth:`draft_time`), with no per-step overhead (an assumption: engines
+  run the draft's small steps back to back, e.g. under CUDA graphs).
 * swaps: KV blocks copied between host and device at the GPU's host-link
   bandwidth, not overlapped with compute (preemption, chapter 6).
 
@@ -40,15 +45,16 @@ class RooflineCostModel:
         self.weight_bytes = model.num_parameters() * bytes_per_param
         self.kv_bytes_per_token = model.kv_bytes_per_token(kv_bytes_per_element)
 
-    def step_cost(self, shapes: list[tuple[int, int]]) -> StepCost:
-        """Cost of one step over sequences given as (new tokens q, context after the step n)."""
+    def step_cost(self, shapes: list[tuple[int, int]], logits_rows: int | None = None) -> StepCost:
+        """Cost of one step over sequences given as (new tokens q, context after the step n);
+        ``logits_rows``: rows of the LM head (default one per sequence)."""
         m = self.model
         tokens = sum(q for q, _ in shapes)
         # new token i (1..q) of a sequence with n - q cached tokens attends to n - q + i keys
         pairs = sum(q * (n - q) + q * (q + 1) // 2 for q, n in shapes)
         flops = (2 * self.linear_params * tokens
                  + 4 * m.num_layers * m.num_heads * m.head_dim * pairs
-                 + 2 * m.hidden_size * m.vocab_size * len(shapes))
+                 + 2 * m.hidden_size * m.vocab_size * (len(shapes) if logits_rows is None else logits_rows))
         kv_read = sum(n - q for q, n in shapes) * self.kv_bytes_per_token
         kv_write = tokens * self.kv_bytes_per_token
         nbytes = self.weight_bytes + kv_read + kv_write
@@ -60,8 +66,15 @@ class RooflineCostModel:
         """Seconds to copy ``nbytes`` of KV cache between host and device."""
         return nbytes / self.gpu.host_link_bandwidth
 
-    def step_time(self, shapes: list[tuple[int, int]], swap_bytes: int = 0) -> float:
-        return (self.step_cost(shapes).seconds if shapes else 0.0) + self.swap_time(swap_bytes)
+    def step_time(self, shapes: list[tuple[int, int]], swap_bytes: int = 0,
+                  logits_rows: int | None = None) -> float:
+        return (self.step_cost(shapes, logits_rows).seconds if shapes else 0.0) + self.swap_time(swap_bytes)
+
+    def draft_time(self, steps: list[list[tuple[int, int]]]) -> float:
+        """Seconds for a draft model's forwards (call it on a cost model built for
+        the draft's shape, with ``step_overhead_s=0``), each forward given as its
+        sequences' (new tokens, context) shapes."""
+        return sum(self.step_cost(shapes).seconds for shapes in steps if shapes)
 
     def __repr__(self) -> str:
         return (f"RooflineCostModel({self.model.name} on {self.gpu.name}, "
