@@ -12,7 +12,7 @@ from .config import (ATTENTION_BACKENDS, KV_CACHES, POLICIES, PREEMPTION_MODES, 
                      SPEC_METHODS)
 from .model.config import PRESETS
 from .sim import GPUS
-from .workload import parse_clients, workload_names
+from .workload import CLASS_WORKLOADS, DEFAULT_SLO_E2E_S, DEFAULT_SLO_TTFT_S, parse_clients, workload_names
 
 FORMATTER = argparse.ArgumentDefaultsHelpFormatter
 
@@ -67,12 +67,12 @@ def _bench_args(p: argparse.ArgumentParser, simulate: bool) -> None:
     p.add_argument("--clients", type=parse_clients, default=None, metavar="NAME:RATE,...",
                    help="multi-tenant workload: a Poisson stream per client, e.g. a:8,b:1,c:1 "
                         "(requests/s; replaces --arrival-rate)")
-    p.add_argument("--slo-ttft-ms", type=float, default=None, metavar="MS",
-                   help="TTFT target of every request (default: per class: interactive 250, batch 5000; "
-                        "tenants 500)")
-    p.add_argument("--slo-e2e-ms", type=float, default=None, metavar="MS",
-                   help="end-to-end target of every request (default: per class: interactive 1000, "
-                        "batch 20000; tenants 10000)")
+    for flag, what, field, default in (("--slo-ttft-ms", "TTFT", "slo_ttft_s", DEFAULT_SLO_TTFT_S),
+                                       ("--slo-e2e-ms", "end-to-end", "slo_e2e_s", DEFAULT_SLO_E2E_S)):
+        classes = "; ".join(f"{c.name} {getattr(c, field) * 1e3:g}" for c in CLASS_WORKLOADS["mixed-classes"])
+        p.add_argument(flag, type=float, default=None, metavar="MS",
+                       help=f"{what} target of every request; when not given, each class's own "
+                            f"({classes}; tenants {default * 1e3:g})")
     p.add_argument("--speculative-method", choices=SPEC_METHODS, default=None,
                    help="speculative decoding: n-gram prompt lookup or a draft model (default: off)")
     p.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K",

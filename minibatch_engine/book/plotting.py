@@ -324,6 +324,9 @@ def service_over_time(panels: Mapping[str, Mapping[str, tuple[Sequence[float], S
     axes[0].legend()
     if title:
         fig.suptitle(title)
+    return fig
+
+
 def tokens_per_step(counts: Mapping[str, Sequence[int]], ax=None, title: str | None = None,
                     figsize=(5, 3.2)):
     """Speculative decoding: for each proposer, how many request-steps gained
