@@ -11,7 +11,7 @@ from .config import EngineConfig
 from .engine import Engine
 from .metrics import (DEFAULT_PERCENTILES, SLO_METRICS, parse_goodput, parse_percentiles, percentiles, request_metrics,
                       serving_metrics, timings_from_trace)
-from .workload import make_workload
+from .workload import make_workload, slo_of
 
 
 def summarize(engine: Engine, requests, ps=DEFAULT_PERCENTILES, goodput=None) -> dict:
@@ -84,6 +84,43 @@ def summarize(engine: Engine, requests, ps=DEFAULT_PERCENTILES, goodput=None) ->
     return s
 
 
+def group_summary(engine: Engine, requests, groups, slos) -> dict:
+    """Per class (or client): latency percentiles, tokens served and SLO attainment.
+
+    ``groups[i]`` names request ``i``'s class; ``slos[i]`` is its (TTFT, E2E)
+    target in seconds (None: no target). A request *attains* its SLO when it
+    finished and both its TTFT and its end-to-end latency are within their
+    targets; attainment is the share of the class's requests that do. Seconds
+    are in the run's clock: simulated with a cost model, else wall.
+    """
+    clock = "sim" if engine.cost_model is not None else "wall"
+    seconds = {id(r): request_metrics(r, engine.trace).seconds[clock] for r in requests if r.token_steps}
+
+    def attains(r, slo) -> bool:
+        s = seconds.get(id(r))
+        return r.is_finished and s is not None and all(
+            target is None or v <= target for v, target in ((s["ttft"], slo[0]), (s["e2e"], slo[1])))
+
+    out: dict[str, dict] = {}
+    for name in dict.fromkeys(groups):
+        members = [(r, slo) for r, g, slo in zip(requests, groups, slos) if g == name]
+        ttft = [seconds[id(r)]["ttft"] for r, _ in members if id(r) in seconds]
+        e2e = [seconds[id(r)]["e2e"] for r, _ in members if id(r) in seconds]
+        met = sum(attains(r, slo) for r, slo in members)
+        slo = members[0][1]
+        g = {"requests": len(members), "finished": sum(r.is_finished for r, _ in members),
+             "prompt_tokens": sum(r.num_prompt_tokens for r, _ in members if r.first_scheduled_step is not None),
+             "output_tokens": sum(r.num_output_tokens for r, _ in members),
+             "preempted": sum(r.num_preemptions for r, _ in members),
+             "slo_ttft_s": slo[0], "slo_e2e_s": slo[1], "slo_attainment": met / len(members)}
+        g["tokens_served"] = g["prompt_tokens"] + g["output_tokens"]
+        for metric, vals in (("ttft", ttft), ("e2e", e2e)):
+            for k, v in percentiles(vals, (50, 99)).items():
+                g[f"{metric}_{k}_s"] = v
+        out[name] = g
+    return out
+
+
 def warmup(model, steps: int = 4) -> None:
     """A few throwaway steps so first-call costs do not land in a timed run."""
     from .sampling import SamplingParams
@@ -101,6 +138,8 @@ def run_bench(scheduler: str = "continuous", workload: str = "uniform", num_requ
               dtype: str = "float32", progress: bool = True, simulate_only: bool = False,
               percentiles=DEFAULT_PERCENTILES, goodput=None, speculative_method: str | None = None,
               num_speculative_tokens: int = 3, draft_model=None, sim_acceptance_rate: float = 0.7,
+              clients: dict | None = None, slo_ttft_ms: float | None = None,
+              slo_e2e_ms: float | None = None,
               **engine_options) -> tuple[dict, Engine]:
     """Run a workload and return (summary dict, engine). ``simulate_only`` runs no
     model at all (``sim_gpu`` and ``sim_model`` required). ``speculative_method``
@@ -108,9 +147,17 @@ def run_bench(scheduler: str = "continuous", workload: str = "uniform", num_requ
     decoding with ``num_speculative_tokens`` proposals; the simulator accepts
     each with probability ``sim_acceptance_rate``. ``engine_options`` are
     further :class:`EngineConfig` fields (``kv_cache``, ``kv_budget_bytes``,
-    ``block_size``, ``max_num_batched_tokens``, ``preemption_mode``, ...).
+    ``block_size``, ``max_num_batched_tokens``, ``preemption_mode``, ``policy``,
+    ``priority_aging_s``, ...).
     ``percentiles`` and ``goodput`` (SLOs in ms, ``{"ttft": 200}`` or
-    ``["ttft:200"]``) shape the latency keys (:func:`summarize`)."""
+    ``["ttft:200"]``) shape the latency keys (:func:`summarize`).
+
+    A class workload (``"mixed-classes"``) adds ``summary["per_class"]``, a
+    multi-tenant one (``clients``: name -> requests/s) ``summary["per_client"]``
+    (see :func:`group_summary`). SLO targets are the class's own (or
+    :data:`~minibatch_engine.workload.DEFAULT_SLO_TTFT_S` /
+    :data:`~minibatch_engine.workload.DEFAULT_SLO_E2E_S` for tenants);
+    ``slo_ttft_ms`` / ``slo_e2e_ms`` replace them for every request."""
     ps = parse_percentiles(percentiles)
     goodput = parse_goodput(goodput)
     if speculative_method is not None:
@@ -130,8 +177,9 @@ def run_bench(scheduler: str = "continuous", workload: str = "uniform", num_requ
         warmup(m)
     engine = Engine(m, cfg)
     specs = make_workload(workload, num_requests, seed=seed, vocab_size=vocab, arrival_rate=arrival_rate,
-                          burstiness=burstiness)
-    reqs = [engine.add_request(s.prompt_token_ids, s.sampling_params(), arrival_time=s.arrival_time)
+                          burstiness=burstiness, clients=clients)
+    reqs = [engine.add_request(s.prompt_token_ids, s.sampling_params(), arrival_time=s.arrival_time,
+                               priority=s.priority, client_id=s.client_id)
             for s in specs]
     with tqdm(total=len(reqs), desc=f"{'simulate' if simulate_only else 'bench'} {scheduler}",
               unit="req", disable=not progress, leave=False) as bar:
@@ -140,8 +188,17 @@ def run_bench(scheduler: str = "continuous", workload: str = "uniform", num_requ
                "arrival_rate": arrival_rate, "burstiness": burstiness,
                "max_batch": max_batch, "seed": seed, "sim_gpu": sim_gpu,
                "sim_model": sim_model if sim_gpu else None,
-               "model": None if m is None else (model if isinstance(model, str) else m.config.name)}
+               "model": None if m is None else (model if isinstance(model, str) else m.config.name),
+               "policy": engine.config.policy, "priority_aging_s": engine.config.priority_aging_s,
+               "clients": clients}
     summary.update(summarize(engine, reqs, ps=ps, goodput=goodput))
+    key, groups = (("per_client", [s.client_id for s in specs]) if clients else
+                   ("per_class", [s.request_class for s in specs]) if specs[0].request_class else (None, None))
+    if key:
+        slos = [slo_of(s, workload) for s in specs]
+        slos = [(t if slo_ttft_ms is None else slo_ttft_ms / 1e3, e if slo_e2e_ms is None else slo_e2e_ms / 1e3)
+                for t, e in slos]
+        summary[key] = group_summary(engine, reqs, groups, slos)
     return summary, engine
 
 
@@ -219,12 +276,28 @@ def format_report(summary: dict, simulated: bool = False) -> str:
         groups = [g for g in groups if g[0] != "speculative decoding"]
     if not simulated and np.isfinite(s.get("overhead_fraction", float("nan"))):
         groups[1][1].append(("engine overhead", f"{s['overhead_fraction']:.1%} of step time"))
+    if s.get("policy", "fcfs") != "fcfs":
+        aging = s.get("priority_aging_s")
+        groups[0][1].append(("policy", s["policy"] + (f", aging {_fmt(aging)} s" if aging else "")))
+    per = s.get("per_class") or s.get("per_client")
+    if per:
+        title = f"per {'class' if 'per_class' in s else 'client'} ({clock_name}; TTFT, E2E p50 / p99)"
+        groups.append((title, [(name, _group_line(g)) for name, g in per.items()]))
     width = max(len(k) for _, rows in groups for k, _ in rows)
     lines = []
     for title, rows in groups:
         lines.append(title)
         lines += [f"  {k:<{width}}  {v}" for k, v in rows]
     return "\n".join(lines)
+
+
+def _group_line(g: dict) -> str:
+    ms = lambda k: _fmt(None if g.get(k) is None else g[k] * 1e3)   # noqa: E731
+    slo = " & ".join(f"{name} <= {_fmt(g[k] * 1e3)} ms" for name, k in (("TTFT", "slo_ttft_s"), ("E2E", "slo_e2e_s"))
+                     if g.get(k) is not None)
+    return (f"{g['requests']} req, TTFT {ms('ttft_p50_s')} / {ms('ttft_p99_s')} ms, "
+            f"E2E {ms('e2e_p50_s')} / {ms('e2e_p99_s')} ms, {_fmt(g['tokens_served'])} tokens, "
+            f"SLO ({slo}) {g['slo_attainment']:.0%}")
 
 
 def write_json(summary: dict, path: str) -> None:

@@ -8,10 +8,11 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import ATTENTION_BACKENDS, KV_CACHES, PREEMPTION_MODES, SCHEDULER_NAMES, SPEC_METHODS
+from .config import (ATTENTION_BACKENDS, KV_CACHES, POLICIES, PREEMPTION_MODES, SCHEDULER_NAMES,
+                     SPEC_METHODS)
 from .model.config import PRESETS
 from .sim import GPUS
-from .workload import WORKLOADS
+from .workload import CLASS_WORKLOADS, DEFAULT_SLO_E2E_S, DEFAULT_SLO_TTFT_S, parse_clients, workload_names
 
 FORMATTER = argparse.ArgumentDefaultsHelpFormatter
 
@@ -36,8 +37,9 @@ def _metric_args(p: argparse.ArgumentParser) -> None:
 def _bench_args(p: argparse.ArgumentParser, simulate: bool, sweep: bool = False) -> None:
     p.add_argument("--scheduler", choices=SCHEDULER_NAMES, default="continuous",
                    help="static (padded batches) or continuous (iteration-level)")
-    p.add_argument("--workload", choices=sorted(WORKLOADS), default="uniform",
-                   help="prompt/output length distribution")
+    p.add_argument("--workload", choices=workload_names(), default="uniform",
+                   help="prompt/output length distribution; mixed-classes: an interactive class (short, "
+                        "priority 0) and a batch class (long, priority 1)")
     p.add_argument("--num-requests", type=int, default=64, help="requests in the workload")
     p.add_argument("--max-batch", type=int, default=256, help="most sequences per step (max_num_seqs)")
     p.add_argument("--max-model-len", type=int, default=None,
@@ -67,6 +69,20 @@ def _bench_args(p: argparse.ArgumentParser, simulate: bool, sweep: bool = False)
                    help="how to take KV memory back when the paged cache is full")
     p.add_argument("--swap-space", type=int, default=0, metavar="BYTES",
                    help="host memory for swapped-out KV blocks (with --preemption swap)")
+    p.add_argument("--policy", choices=POLICIES, default="fcfs",
+                   help="who is admitted and preempted: first come first served, priority (with "
+                        "preemption), fair (VTC between clients)")
+    p.add_argument("--priority-aging-s", type=float, default=None, metavar="S",
+                   help="priority policy: a request gains one priority level per S seconds in the system")
+    p.add_argument("--clients", type=parse_clients, default=None, metavar="NAME:RATE,...",
+                   help="multi-tenant workload: a Poisson stream per client, e.g. a:8,b:1,c:1 "
+                        "(requests/s; replaces --arrival-rate)")
+    for flag, what, field, default in (("--slo-ttft-ms", "TTFT", "slo_ttft_s", DEFAULT_SLO_TTFT_S),
+                                       ("--slo-e2e-ms", "end-to-end", "slo_e2e_s", DEFAULT_SLO_E2E_S)):
+        classes = "; ".join(f"{c.name} {getattr(c, field) * 1e3:g}" for c in CLASS_WORKLOADS["mixed-classes"])
+        p.add_argument(flag, type=float, default=None, metavar="MS",
+                       help=f"{what} target of every request; when not given, each class's own "
+                            f"({classes}; tenants {default * 1e3:g})")
     p.add_argument("--speculative-method", choices=SPEC_METHODS, default=None,
                    help="speculative decoding: n-gram prompt lookup or a draft model (default: off)")
     p.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K",
@@ -163,7 +179,8 @@ def _engine_options(args) -> dict:
                 enable_prefix_caching=not args.no_prefix_caching,
                 max_num_batched_tokens="auto" if args.max_num_batched_tokens is None else args.max_num_batched_tokens,
                 enable_chunked_prefill=not args.no_chunked_prefill,
-                preemption_mode=args.preemption, swap_space_bytes=args.swap_space)
+                preemption_mode=args.preemption, swap_space_bytes=args.swap_space,
+                policy=args.policy, priority_aging_s=args.priority_aging_s)
 
 
 def _sweep(args) -> int:
@@ -208,12 +225,8 @@ def _bench(args, simulate: bool) -> int:
         burstiness=args.burstiness,
         progress=not args.no_progress, simulate_only=simulate,
         percentiles=args.percentiles, goodput=args.goodput,
-        kv_cache=args.kv or "auto",
-        kv_budget_bytes=args.kv_budget, block_size=args.block_size,
-        enable_prefix_caching=not args.no_prefix_caching,
-        max_num_batched_tokens="auto" if args.max_num_batched_tokens is None else args.max_num_batched_tokens,
-        enable_chunked_prefill=not args.no_chunked_prefill,
-        preemption_mode=args.preemption, swap_space_bytes=args.swap_space,
+        **_engine_options(args), clients=args.clients,
+        slo_ttft_ms=args.slo_ttft_ms, slo_e2e_ms=args.slo_e2e_ms,
         speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
         **({"sim_acceptance_rate": args.sim_acceptance_rate} if simulate else {"draft_model": args.draft_model}),
         **({} if simulate else {"model": args.model, "device": args.device, "dtype": args.dtype,

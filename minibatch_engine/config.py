@@ -19,6 +19,7 @@ PREEMPTION_MODES = ("recompute", "swap")
 VICTIMS = ("latest", "most_blocks")
 SPEC_METHODS = ("ngram", "draft_model")
 ATTENTION_BACKENDS = ("auto", "sdpa", "triton", "reference")
+POLICIES = ("fcfs", "priority", "fair")
 # The token budget when none is given: vLLM ships 2048 to 16384 depending on the
 # device and the entry point; 2048 keeps one step short on a CPU.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -112,6 +113,15 @@ class EngineConfig:
         later or ``"swap"`` its blocks to ``swap_space_bytes`` of host memory
         (falling back to recompute when that is full); ``preemption_victim``:
         ``"latest"`` arrival (vLLM's choice) or ``"most_blocks"``.
+    policy: who is admitted next and who is preempted (continuous scheduler,
+        :mod:`~minibatch_engine.scheduler.policy`): ``"fcfs"`` (arrival order,
+        the default), ``"priority"`` (lower ``priority`` first, preempting a
+        running request of strictly worse priority for a waiting one) or
+        ``"fair"`` (the Virtual Token Counter between clients, ``client_id``, with
+        optional ``client_weights``: client -> weight > 0).
+    priority_aging_s: priority policy only: a request gains one priority level
+        per ``priority_aging_s`` seconds in the system (engine clock), so none
+        starves. ``None``: no aging.
     attention_backend: ``"auto"`` (Triton's paged kernel on CUDA when triton is
         installed, else the fast CPU path ``"sdpa"``), ``"sdpa"``, ``"triton"``,
         or ``"reference"`` (the readable ground truth every backend is tested
@@ -141,6 +151,9 @@ class EngineConfig:
     preemption_mode: str = "recompute"
     swap_space_bytes: int = 0
     preemption_victim: str = "latest"
+    policy: str = "fcfs"
+    priority_aging_s: float | None = None
+    client_weights: dict | None = None
     attention_backend: str = "auto"
     speculative: SpeculativeConfig | None = None
     cuda_graphs: bool = True
@@ -175,6 +188,26 @@ class EngineConfig:
         choice("preemption_mode", PREEMPTION_MODES)
         choice("preemption_victim", VICTIMS)
         choice("attention_backend", ATTENTION_BACKENDS)
+        choice("policy", POLICIES)
+        if self.priority_aging_s is not None:
+            number("priority_aging_s", 0.0, 1e9, low_open=True)
+            if self.policy != "priority":
+                raise ValueError(f"priority_aging_s={self.priority_aging_s!r} needs policy='priority' "
+                                 f"(policy is {self.policy!r})")
+        if self.client_weights is not None:
+            if self.policy != "fair":
+                raise ValueError(f"client_weights needs policy='fair' (policy is {self.policy!r})")
+            if not isinstance(self.client_weights, dict) or not all(
+                    not isinstance(w, bool) and isinstance(w, (int, float)) and math.isfinite(w) and w > 0
+                    for w in self.client_weights.values()):
+                raise ValueError(f"client_weights must map client ids to numbers > 0, got {self.client_weights!r}")
+        if self.policy != "fcfs":
+            if self.scheduler != "continuous":
+                raise ValueError(f"policy={self.policy!r} needs the continuous scheduler (static batching "
+                                 "forms its batches in arrival order)")
+            if self.preemption_victim != "latest":
+                raise ValueError(f"preemption_victim={self.preemption_victim!r} applies to policy='fcfs'; "
+                                 f"under policy={self.policy!r} the policy chooses the victim")
         integer("max_num_seqs", 1)
         integer("max_model_len", 2, optional=True)
         integer("block_size", 1)

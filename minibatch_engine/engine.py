@@ -29,6 +29,7 @@ from .request import FinishReason, Request
 from .runner import ModelRunner, RunnerOutput, SimRunner
 from .sampling import SamplingParams
 from .scheduler import ContinuousScheduler, Scheduler, SchedulerOutput, StaticScheduler
+from .scheduler.policy import make_policy
 from .scheduler.preemption import Preemptor
 from .sim import RooflineCostModel, get_gpu
 from .speculative import DraftModelProposer, NgramProposer, SimProposer
@@ -157,7 +158,8 @@ class Engine:
             self.kv_cache, cfg.max_num_seqs, cfg.max_model_len,
             max_num_batched_tokens=cfg.max_num_batched_tokens, enable_chunked_prefill=cfg.enable_chunked_prefill,
             max_num_partial_prefills=cfg.max_num_partial_prefills,
-            preemptor=Preemptor(self.kv_cache, cfg.preemption_mode, swap, cfg.preemption_victim))
+            preemptor=Preemptor(self.kv_cache, cfg.preemption_mode, swap, cfg.preemption_victim),
+            policy=make_policy(cfg.policy, cfg.priority_aging_s, cfg.client_weights))
 
     # --- clocks ---------------------------------------------------------------------
     def wall_now(self) -> float:
@@ -255,7 +257,7 @@ class Engine:
         self._release_arrivals()
         started = self.wall_now(), self.sim_now
         draft = self._propose()
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(now=self.now())
         if sched.is_empty:
             self._wait_for_arrival()
             return []

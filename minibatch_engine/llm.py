@@ -57,13 +57,15 @@ class LLM:
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True, arrival_times: Sequence[float] | None = None,
-                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 priority: Sequence[int] | None = None,
+                 client_id: Sequence[str] | None = None) -> list[RequestOutput]:
         """Run every prompt (text, or a list of token ids) to completion.
 
         ``arrival_times`` (one per prompt, seconds >= 0 in the engine's clock:
         simulated seconds with ``sim_gpu``, else wall seconds since the call)
-        defers requests. ``priority`` (one per prompt) matters for the priority
-        policy. Returns one output per prompt, in the order given. Each call runs
+        defers requests. ``priority`` (one per prompt, lower runs first) matters
+        for ``policy="priority"``, ``client_id`` (one per prompt: the tenant) for
+        ``policy="fair"``. Returns one output per prompt, in the order given. Each call runs
         a fresh engine, whose trace stays available as ``llm.engine.trace``.
         """
         prompts = as_prompt_list(prompts)
@@ -73,7 +75,7 @@ class LLM:
             raise TypeError(f"sampling_params must be a SamplingParams or a list of them, "
                             f"got {type(sampling_params).__name__}")
         for name, values in (("sampling_params", sampling_params), ("arrival_times", arrival_times),
-                             ("priority", priority)):
+                             ("priority", priority), ("client_id", client_id)):
             if values is not None and len(values) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(values)} {name}: give one per prompt")
         if arrival_times is not None:
@@ -86,7 +88,8 @@ class LLM:
             reqs.append(engine.add_request(
                 ids, params, request_id=str(i), prompt_text=text,
                 arrival_time=None if arrival_times is None else arrival_times[i],
-                priority=0 if priority is None else priority[i]))
+                priority=0 if priority is None else priority[i],
+                client_id=None if client_id is None else client_id[i]))
         with tqdm(total=len(reqs), desc="generate", unit="req", disable=not use_tqdm, leave=False) as bar:
             engine.run(progress=bar.update)
         decode = self.tokenizer.decode if self.tokenizer is not None else (lambda ids: None)

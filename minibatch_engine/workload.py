@@ -1,6 +1,14 @@
 """Seeded synthetic workloads: prompt and output lengths from named distributions,
 arrivals all at once, Poisson, or bursty (gamma-distributed gaps).
 
+Two kinds of mix for scheduling policies (chapter 7):
+
+* request classes (``"mixed-classes"``): an interactive class of short requests
+  at high priority and a batch class of long ones, each with its own latency
+  SLO;
+* tenants (``clients={"a": 8, "b": 1}``): each client sends a Poisson stream at
+  its own rate (requests/s), so one can flood the others.
+
 Output lengths are honoured with ``ignore_eos`` (as serving benchmarks do), so
 a workload fixes the schedule whatever tokens the model produces.
 """
@@ -81,11 +89,37 @@ WORKLOADS: dict[str, WorkloadSpec] = {
 }
 
 
+@dataclass(frozen=True)
+class RequestClass:
+    """One class of a mixed workload: a share of the requests, their lengths, their
+    priority (lower runs first) and their latency targets (SLO, seconds; None: none)."""
+    name: str
+    share: float
+    prompt: LengthDist
+    output: LengthDist
+    priority: int
+    slo_ttft_s: float | None
+    slo_e2e_s: float | None
+
+
+CLASS_WORKLOADS: dict[str, tuple[RequestClass, ...]] = {
+    "mixed-classes": (
+        RequestClass("interactive", 0.75, Uniform(16, 96), Uniform(8, 48), 0, slo_ttft_s=0.25, slo_e2e_s=1.0),
+        RequestClass("batch", 0.25, Uniform(384, 640), Uniform(192, 320), 1, slo_ttft_s=5.0, slo_e2e_s=20.0),
+    ),
+}
+# SLO of requests that belong to no class (the tenants of a multi-client workload).
+DEFAULT_SLO_TTFT_S, DEFAULT_SLO_E2E_S = 0.5, 10.0
+
+
 @dataclass
 class RequestSpec:
     prompt_token_ids: list[int]
     max_tokens: int
     arrival_time: float = 0.0
+    priority: int = 0                  # lower runs first (policy="priority")
+    client_id: str | None = None       # the tenant (policy="fair")
+    request_class: str | None = None   # the class of a mixed workload, for reports
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(max_tokens=self.max_tokens, ignore_eos=True)
@@ -108,20 +142,85 @@ def arrival_gaps(rng: np.random.Generator, n: int, rate: float, burstiness: floa
     return rng.gamma(burstiness, 1.0 / (rate * burstiness), size=n)
 
 
+def parse_clients(text: str) -> dict[str, float]:
+    """``"a:8,b:1,c:1"`` -> ``{"a": 8.0, "b": 1.0, "c": 1.0}`` (requests/s per client)."""
+    out: dict[str, float] = {}
+    for part in text.split(","):
+        name, sep, rate = part.strip().partition(":")
+        try:
+            value = float(rate)
+        except ValueError:
+            value = float("nan")
+        if not sep or not name or not value > 0 or name in out:
+            raise ValueError(f"--clients {text!r}: give distinct name:rate pairs with rates > 0 "
+                             "(requests/s), e.g. a:8,b:1,c:1")
+        out[name] = value
+    return out
+
+
+def workload_names() -> list[str]:
+    return sorted([*WORKLOADS, *CLASS_WORKLOADS])
+
+
+def slo_of(spec: RequestSpec, workload: str) -> tuple[float | None, float | None]:
+    """The (TTFT, E2E) targets in seconds of a request of ``workload``."""
+    for c in CLASS_WORKLOADS.get(workload, ()):
+        if c.name == spec.request_class:
+            return c.slo_ttft_s, c.slo_e2e_s
+    return DEFAULT_SLO_TTFT_S, DEFAULT_SLO_E2E_S
+
+
+def _make_classes(classes, num_requests, rng, vocab_size, arrival_rate) -> list[RequestSpec]:
+    shares = np.array([c.share for c in classes], dtype=float)
+    which = rng.choice(len(classes), size=num_requests, p=shares / shares.sum())
+    arrivals = (np.cumsum(rng.exponential(1.0 / arrival_rate, size=num_requests))
+                if arrival_rate else np.zeros(num_requests))
+    out = []
+    for k, t in zip(which, arrivals):
+        c = classes[k]
+        p, g = int(c.prompt.sample(rng, 1)[0]), int(c.output.sample(rng, 1)[0])
+        out.append(RequestSpec(rng.integers(0, vocab_size, size=p).tolist(), g, float(t),
+                               priority=c.priority, request_class=c.name))
+    return out
+
+
+def _make_clients(spec, clients, num_requests, rng, vocab_size) -> list[RequestSpec]:
+    """Each client a Poisson stream at its rate; the first ``num_requests`` arrivals
+    of the merged streams."""
+    arrivals = sorted((float(t), name) for name, rate in clients.items()
+                      for t in np.cumsum(rng.exponential(1.0 / rate, size=num_requests)))[:num_requests]
+    prompts, outputs = spec.prompt.sample(rng, num_requests), spec.output.sample(rng, num_requests)
+    return [RequestSpec(rng.integers(0, vocab_size, size=int(p)).tolist(), int(g), t, client_id=name)
+            for (t, name), p, g in zip(arrivals, prompts, outputs)]
+
+
 def make_workload(name: str | WorkloadSpec, num_requests: int, seed: int = 0, vocab_size: int = 256,
-                  arrival_rate: float | None = None, burstiness: float = 1.0) -> list[RequestSpec]:
+                  arrival_rate: float | None = None, burstiness: float = 1.0,
+                  clients: dict[str, float] | None = None) -> list[RequestSpec]:
     """``num_requests`` requests with lengths from the named workload.
 
     Prompt tokens are uniform over ``[0, vocab_size)``. ``arrival_rate`` (requests
     per second) spreads arrivals over time with gaps from :func:`arrival_gaps`
     (``burstiness`` 1: Poisson); ``None`` means all at time 0.
+    A class workload (``"mixed-classes"``) draws each request's class by its
+    share. ``clients`` (name -> requests/s) makes a multi-tenant workload instead
+    of ``arrival_rate``: lengths from ``name``, arrivals per client.
     """
-    spec = WORKLOADS.get(name) if isinstance(name, str) else name
-    if spec is None:
-        raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
     rng = np.random.default_rng(seed)
+    if isinstance(name, str) and name in CLASS_WORKLOADS:
+        if clients:
+            raise ValueError(f"workload {name!r} has classes; --clients takes a length workload "
+                             f"({', '.join(WORKLOADS)})")
+        return _make_classes(CLASS_WORKLOADS[name], num_requests, rng, vocab_size, arrival_rate)
+    spec = WORKLOADS.get(name) if isinstance(name, str) else name
+    if spec is None:
+        raise ValueError(f"unknown workload {name!r}; known: {', '.join(workload_names())}")
+    if clients:
+        if arrival_rate is not None:
+            raise ValueError("give either arrival_rate or clients (each client has its own rate), not both")
+        return _make_clients(spec, clients, num_requests, rng, vocab_size)
     prompts = spec.prompt.sample(rng, num_requests)
     outputs = spec.output.sample(rng, num_requests)
     arrivals = (np.cumsum(arrival_gaps(rng, num_requests, arrival_rate, burstiness))

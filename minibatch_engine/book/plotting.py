@@ -32,6 +32,10 @@ COLORS = {
     "swapped": "#8172B2",      # purple: KV blocks in host memory
     "chunked": "#55A868",      # green: chunked prefill
     "unchunked": "#C44E52",    # red: whole prompts (the stall)
+    "fcfs": "#DD8452",         # orange: first come first served (chapter 3's scheduler)
+    "priority": "#4C72B0",     # blue: priority scheduling
+    "priority + aging": "#64B5CD",
+    "fair": "#55A868",         # green: fair share (VTC)
     "off": "#8C8C8C",          # grey: no speculative decoding
     "ngram": "#DA8BC3",        # pink: n-gram (prompt lookup) proposals
     "draft model": "#937860",  # brown: draft-model proposals
@@ -315,6 +319,30 @@ def request_timeline(trace, request_ids: Sequence[str], arrival_steps: Mapping[s
               loc="upper left", bbox_to_anchor=(1.0, 1.0))
     if title:
         ax.set_title(title)
+    return fig
+
+
+def service_over_time(panels: Mapping[str, Mapping[str, tuple[Sequence[float], Sequence[float]]]],
+                      xlabel: str = "time (s)", ylabel: str = "service received (weighted tokens)",
+                      title: str | None = None, figsize=(9, 3.2)):
+    """One panel per policy, one cumulative curve per client: ``panels[policy][client]
+    = (times, cumulative service)``. Panels share their axes."""
+    fig, axes = plt.subplots(1, len(panels), figsize=figsize, sharex=True, sharey=True)
+    plt.close(fig)
+    axes = np.atleast_1d(axes)
+    clients = sorted({c for curves in panels.values() for c in curves})
+    palette = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (policy, curves) in zip(axes, panels.items()):
+        for k, client in enumerate(clients):
+            if client in curves:
+                t, y = curves[client]
+                ax.step(t, y, where="post", label=f"client {client}", color=palette[k % len(palette)])
+        ax.set_title(policy)
+        ax.set_xlabel(xlabel)
+    axes[0].set_ylabel(ylabel)
+    axes[0].legend()
+    if title:
+        fig.suptitle(title)
     return fig
 
 

@@ -90,6 +90,7 @@ class Preemption:
     request_id: str
     mode: str              # "recompute" or "swap"
     num_bytes: int = 0     # KV bytes copied to host memory (swap)
+    for_request_id: str | None = None   # the request it made room for (None: itself)
 
 
 @dataclass(frozen=True)
@@ -160,6 +161,7 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.requests: dict[str, Request] = {}     # every request seen, forked samples too
         self.num_steps = 0                          # non-empty steps scheduled so far
+        self.now: float | None = None               # the engine's clock at this step
         self._finished_ids: list[str] = []
 
     # --- requests in ------------------------------------------------------------
@@ -172,8 +174,10 @@ class Scheduler:
         self._enqueue(request)
 
     # --- one step ---------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
-        """Decide this step's work (see the subclass's ``_schedule``)."""
+    def schedule(self, now: float | None = None) -> SchedulerOutput:
+        """Decide this step's work (see the subclass's ``_schedule``). ``now`` is
+        the engine's clock (seconds), for policies that look at waiting time."""
+        self.now = now
         out = self._schedule()
         if out.is_empty:
             return out

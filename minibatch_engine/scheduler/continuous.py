@@ -23,13 +23,19 @@ With a paged KV cache, admission is by free blocks, and a running request that
 cannot get a block for its next tokens takes memory back from a victim (see
 :mod:`.preemption`): recomputed later, or swapped to host memory and back.
 Swapped-out requests come back before any new request is admitted.
+
+Who is admitted next, and who is preempted, is the job of a scheduling policy
+(:mod:`.policy`): first come first served by default, priority with
+preemption, or fair share between clients (VTC).
 """
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import replace
 
 from ..request import Request, RequestStatus
 from .base import ScheduledRequest, Scheduler, SchedulerOutput
+from .policy import FCFSPolicy, SchedulingPolicy
 from .preemption import Preemptor
 
 
@@ -69,7 +75,8 @@ class ContinuousScheduler(Scheduler):
 
     def __init__(self, kv_cache, max_num_seqs: int, max_model_len: int,
                  max_num_batched_tokens: int | None = None, enable_chunked_prefill: bool = True,
-                 max_num_partial_prefills: int = 1, preemptor: Preemptor | None = None):
+                 max_num_partial_prefills: int = 1, preemptor: Preemptor | None = None,
+                 policy: SchedulingPolicy | None = None):
         super().__init__(kv_cache, max_num_seqs)
         check_token_budget(max_num_batched_tokens, enable_chunked_prefill, max_num_seqs, max_model_len)
         if max_num_partial_prefills < 1:
@@ -82,15 +89,19 @@ class ContinuousScheduler(Scheduler):
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
         self.preemptor = preemptor or Preemptor(kv_cache)
+        self.policy = policy or FCFSPolicy()
+        self.preemptor.policy = self.policy      # the policy chooses the victim
 
     # --- queues -------------------------------------------------------------------
     def _enqueue(self, request: Request) -> None:
+        self.policy.on_arrival(request, self.waiting)
         self.waiting.append(request)
 
     def _add_running(self, request: Request) -> None:
         self.running.append(request)
 
     def _remove(self, request: Request) -> None:
+        self.policy.on_finish(request, was_waiting=request in self.waiting)
         if request in self.waiting:
             self.waiting.remove(request)
         elif request in self.swapped:
@@ -103,6 +114,7 @@ class ContinuousScheduler(Scheduler):
         """A finished request leaves the batch and frees its KV memory at once."""
         if request in self.running:
             self.running.remove(request)
+            self.policy.on_finish(request)
         self.kv_cache.free(request.request_id)
 
     def has_unfinished(self) -> bool:
@@ -132,6 +144,7 @@ class ContinuousScheduler(Scheduler):
         """One step: running requests first (decode tokens, then prefill chunks),
         then swapped-out requests, then newcomers, within the token budget."""
         step = _Step(self.max_num_batched_tokens)
+        self.policy.begin_step(self.now, self.running)
         self._schedule_running(step)
         self._schedule_swapped(step)
         self._schedule_waiting(step)
@@ -159,7 +172,7 @@ class ContinuousScheduler(Scheduler):
                     victim = self.preemptor.pick_victim(self.running)
                     if self.running.index(victim) < i:
                         i -= 1
-                    step.out.preempted.append(self._preempt(victim))
+                    step.out.preempted.append(self._preempt(victim, req))
                     step.budget += step.granted.pop(id(victim), 0)
         step.out.scheduled = [ScheduledRequest(r, step.granted[id(r)]) for r in self.running
                               if id(r) in step.granted]
@@ -169,6 +182,7 @@ class ContinuousScheduler(Scheduler):
         preempted this step, which would only swap them out again)."""
         while self.swapped and not step.out.preempted and step.budget > 0 \
                 and self.num_seqs() < self.max_num_seqs \
+                and not self._waiting_outranks(self.swapped[0]) \
                 and self.preemptor.can_swap_in(self.swapped[0], bool(self.running)):
             req = self.swapped.popleft()
             step.out.swapped_in.append(self.preemptor.swap_in(req))
@@ -178,46 +192,85 @@ class ContinuousScheduler(Scheduler):
                 step.grant(req, n, n > 1)
                 step.out.scheduled.append(ScheduledRequest(req, n))
 
+    def _waiting_outranks(self, swapped: Request) -> bool:
+        """Under a policy that orders swapped-out requests too, a better waiting
+        request is admitted before ``swapped`` comes back (FCFS: never)."""
+        return self.policy.orders_swapped and bool(self.waiting) and \
+            self.policy.beats(self.policy.select(self.waiting), swapped)
+
     def _schedule_waiting(self, step: "_Step") -> None:
-        """Free places are refilled from the queue, in arrival order, this very step.
-        An n > 1 request counts as the n sequences it will fork into."""
-        while not self.swapped and self.waiting and step.budget > 0 and \
-                self.num_seqs() + self.waiting[0].num_seqs <= self.max_num_seqs:
-            req = self.waiting[0]
-            n = self._admit(req, step.budget, allow_partial=step.partial < self.max_num_partial_prefills)
+        """Free places are refilled from the queue this very step, in the policy's
+        order (FCFS: arrival order). An n > 1 request counts as the n sequences it
+        will fork into. When the next request cannot be admitted, for want of KV
+        blocks or of a place, the policy may preempt a running request for it
+        (priority: one of strictly worse priority); otherwise it waits, and so
+        does everyone behind it (no skipping ahead)."""
+        while self.waiting and step.budget > 0 and \
+                not (self.swapped and not self._waiting_outranks(self.swapped[0])):
+            req = self.policy.select(self.waiting)
+            if self.num_seqs() + req.num_seqs > self.max_num_seqs:
+                if self._preempt_for(req, step):
+                    continue
+                break
+            n, short_of_memory = self._admit(req, step.budget,
+                                             allow_partial=step.partial < self.max_num_partial_prefills)
             if n == 0:
-                break                       # no KV memory or budget: wait, first come first served
-            self.waiting.popleft()
+                if short_of_memory and self._preempt_for(req, step):
+                    continue
+                break                       # no KV memory or budget: wait
+            self.waiting.remove(req)
+            self.policy.on_admit(req)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             step.grant(req, n, n < req.num_tokens - req.num_computed_tokens)
             step.out.scheduled.append(ScheduledRequest(req, n))
 
-    def _admit(self, req: Request, budget, allow_partial: bool) -> int:
+    def _preempt_for(self, req: Request, step: "_Step") -> bool:
+        """Preempt the running request the policy names to make room for waiting
+        ``req``; its grant this step (if any) is taken back. False: none named."""
+        victim = self.policy.victim_for(req, self.running)
+        if victim is None:
+            return False
+        step.budget += step.granted.pop(id(victim), 0)
+        step.out.scheduled = [s for s in step.out.scheduled if s.request is not victim]
+        step.out.preempted.append(self._preempt(victim, req))
+        return True
+
+    def _admit(self, req: Request, budget, allow_partial: bool) -> tuple[int, bool]:
         """Look up cached prefix blocks, then take them together with blocks for
         what this step computes (keeping the cache's watermark free). Returns the
-        tokens granted (0: not admitted, nothing taken)."""
+        tokens granted (0: not admitted, nothing taken) and whether KV memory,
+        not the budget, was what stopped it."""
         prefix = self.kv_cache.find_cached_prefix(req.all_token_ids)
         remaining = req.num_tokens - prefix.num_tokens
         n = remaining if remaining <= budget else (budget if self.enable_chunked_prefill else 0)
         # The watermark keeps room for running requests to grow; with none running
         # it would only stop a request that needs the whole pool from ever starting.
         headroom = self.kv_cache.watermark_blocks if self.running else 0
-        if n and (allow_partial or n == remaining) and \
-                self.kv_cache.allocate(req.request_id, prefix.num_tokens + n, prefix.num_tokens,
-                                       prefix=prefix, headroom=headroom):
+        if not n or not (allow_partial or n == remaining):
+            return 0, False
+        if self.kv_cache.allocate(req.request_id, prefix.num_tokens + n, prefix.num_tokens,
+                                  prefix=prefix, headroom=headroom):
             req.num_computed_tokens = prefix.num_tokens
             req.num_cached_tokens += prefix.num_tokens
-            return n
-        return 0
+            return n, False
+        return 0, True
 
-    def _preempt(self, victim: Request):
-        """Take the victim's KV memory; it waits to be swapped back in, or re-queues
-        first to be recomputed."""
+    def _preempt(self, victim: Request, beneficiary: Request | None = None):
+        """Take the victim's KV memory, for ``beneficiary`` (the request that could
+        not grow or be admitted); the victim waits to be swapped back in, or
+        re-queues to be recomputed: at the head under FCFS, else in its place by
+        the policy's order (priority and arrival are kept)."""
         self.running.remove(victim)
         done = self.preemptor.preempt(victim)
+        if beneficiary is not None and beneficiary is not victim:
+            done = replace(done, for_request_id=beneficiary.request_id)
         if done.mode == "swap":
             self.swapped.append(victim)
         else:
-            self.waiting.appendleft(victim)
+            self.policy.on_requeue(victim, self.waiting)
+            if self.policy.requeue_at_head:
+                self.waiting.appendleft(victim)
+            else:
+                self.waiting.append(victim)
         return done

@@ -1,8 +1,10 @@
 """Preemption: taking KV memory back from a running request, losing nothing.
 
 With blocks handed out on demand (chapter 4), running requests can grow until
-no free block is left. The scheduler then preempts a victim (by default the
-most recently arrived running request, as vLLM does) and retries. Two ways to
+no free block is left. The scheduler then preempts a victim and retries. The
+scheduling policy (:mod:`.policy`) names the victim; under first come first
+served it is this preemptor's own rule: the most recently arrived running
+request (vLLM's choice) or the one holding the most blocks. Two ways to
 take its memory:
 
 * **recompute**: free the victim's blocks and put it back at the front of the
@@ -32,8 +34,16 @@ class Preemptor:
         if mode == "swap" and swap_space is None:
             raise ValueError("swap preemption needs a swap space")
         self.kv_cache, self.mode, self.swap_space, self.victim = kv_cache, mode, swap_space, victim
+        self.policy = None          # set by the scheduler: the policy that names victims
 
     def pick_victim(self, running: list[Request]) -> Request:
+        """The running request that gives its memory back: the policy's choice
+        (FCFS defers to ``victim``: "latest" or "most_blocks")."""
+        if self.policy is not None:
+            return self.policy.pick_victim(running, self._by_rule)
+        return self._by_rule(running)
+
+    def _by_rule(self, running: list[Request]) -> Request:
         if self.victim == "latest":
             return running[-1]
         return max(reversed(running), key=lambda r: len(self.kv_cache.block_table(r.request_id)))
