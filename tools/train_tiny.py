@@ -62,6 +62,7 @@ from tqdm import tqdm
 
 from minibatch_engine.attention import AttentionMetadata
 from minibatch_engine.model.config import BOS_ID, EOS_ID, PAD_ID, TINY, ModelConfig
+from minibatch_engine.model.hf_export import hf_state_dict
 from minibatch_engine.model.reference import reference_generate
 from minibatch_engine.model.transformer import Transformer
 
@@ -200,32 +201,6 @@ def train(cfg: ModelConfig, corpus: Corpus, args, seed: int) -> tuple[Transforme
 
 # --- export: our names -> Hugging Face Llama names ----------------------------------
 
-def hf_llama_state_dict(model: Transformer, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The inverse of :func:`minibatch_engine.model.loader.llama_weights`: split the
-    fused ``qkv_proj`` and ``gate_up_proj`` back into Hugging Face's tensors."""
-    cfg = model.config
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-    sd = {k: v.detach().to(dtype).contiguous() for k, v in model.state_dict().items()}
-    out = {"model.embed_tokens.weight": sd["embed.weight"],
-           "model.norm.weight": sd["norm.weight"], "lm_head.weight": sd["lm_head.weight"]}
-    for i in range(cfg.num_layers):
-        ours, hf = f"layers.{i}.", f"model.layers.{i}."
-        wq, wk, wv = sd[ours + "attn.qkv_proj.weight"].split([q, kv, kv])
-        gate, up = sd[ours + "mlp.gate_up_proj.weight"].chunk(2)
-        out.update({
-            hf + "input_layernorm.weight": sd[ours + "attn_norm.weight"],
-            hf + "self_attn.q_proj.weight": wq.contiguous(),
-            hf + "self_attn.k_proj.weight": wk.contiguous(),
-            hf + "self_attn.v_proj.weight": wv.contiguous(),
-            hf + "self_attn.o_proj.weight": sd[ours + "attn.o_proj.weight"],
-            hf + "post_attention_layernorm.weight": sd[ours + "mlp_norm.weight"],
-            hf + "mlp.gate_proj.weight": gate.contiguous(),
-            hf + "mlp.up_proj.weight": up.contiguous(),
-            hf + "mlp.down_proj.weight": sd[ours + "mlp.down_proj.weight"],
-        })
-    return out
-
-
 def hf_llama_config(cfg: ModelConfig, dtype_name: str) -> dict:
     """``config.json`` in the Hugging Face Llama layout (both the transformers 4.x and
     5.x spellings of the RoPE base and the dtype, so either version reads it)."""
@@ -254,7 +229,8 @@ def save_checkpoint(model: Transformer, folder: Path, dtype: torch.dtype, dtype_
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True, exist_ok=True)
-    save_file(hf_llama_state_dict(model, dtype), folder / "model.safetensors",
+    tensors = {k: v.to(dtype).contiguous() for k, v in hf_state_dict(model).items()}
+    save_file(tensors, folder / "model.safetensors",
               metadata={"format": "pt"})
     (folder / "config.json").write_text(json.dumps(hf_llama_config(model.config, dtype_name),
                                                    indent=2) + "\n")
