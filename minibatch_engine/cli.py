@@ -19,7 +19,7 @@ FORMATTER = argparse.ArgumentDefaultsHelpFormatter
 
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
-                   help="auto: triton on CUDA when installed, else sdpa (the fast CPU path)")
+                   help="auto: triton on CUDA when installed; on a CPU cpp (a C++ paged kernel, compiled on first use) when a compiler is present, else sdpa")
     p.add_argument("--model", default="tiny",
                    help="'tiny' (built-in, seeded random weights), 'tiny-py' (small, trained on Python source) or a Hugging Face checkpoint directory")
     p.add_argument("--device", default="auto", help="'auto' (CUDA when present), 'cpu' or 'cuda'")
@@ -246,7 +246,7 @@ def _vs_transformers(args) -> int:
     from .vs_transformers import compare, format_comparison
     if args.device not in ("auto", "cpu") or args.dtype != "float32":
         raise ValueError("--vs-transformers runs on the CPU in float32: drop --device/--dtype")
-    backend = "sdpa" if args.attention_backend == "auto" else args.attention_backend
+    backend = args.attention_backend
     try:
         summary = compare(args.model, num_requests=args.num_requests, batch=min(args.max_batch, args.num_requests),
                           seed=args.seed, rounds=args.rounds, threads=args.threads, attention_backend=backend,

@@ -18,7 +18,7 @@ KV_CACHES = ("paged", "reserved")         # and "auto": paged, or reserved for s
 PREEMPTION_MODES = ("recompute", "swap")
 VICTIMS = ("latest", "most_blocks")
 SPEC_METHODS = ("ngram", "draft_model")
-ATTENTION_BACKENDS = ("auto", "sdpa", "triton", "reference")
+ATTENTION_BACKENDS = ("auto", "cpp", "sdpa", "triton", "reference")
 POLICIES = ("fcfs", "priority", "fair")
 # The token budget when none is given: vLLM ships 2048 to 16384 depending on the
 # device and the entry point; 2048 keeps one step short on a CPU.
@@ -123,9 +123,9 @@ class EngineConfig:
         per ``priority_aging_s`` seconds in the system (engine clock), so none
         starves. ``None``: no aging.
     attention_backend: ``"auto"`` (Triton's paged kernel on CUDA when triton is
-        installed, else the fast CPU path ``"sdpa"``), ``"sdpa"``, ``"triton"``,
-        or ``"reference"`` (the readable ground truth every backend is tested
-        against).
+        installed; on a CPU the C++ paged kernel ``"cpp"`` when it builds, else
+        ``"sdpa"``), ``"cpp"``, ``"sdpa"``, ``"triton"``, or ``"reference"`` (the
+        readable ground truth every backend is tested against).
     speculative: a :class:`SpeculativeConfig` (continuous scheduler only), or
         None: no speculative decoding.
     cuda_graphs: replay a CUDA graph for decode-only steps (batch sizes bucketed,

@@ -298,8 +298,10 @@ class Engine:
     def _record(self, sched: SchedulerOutput, result: RunnerOutput, started: tuple[float, float],
                 draft: tuple[float, float] = (0.0, 0.0)) -> None:
         """Append the step to the trace (and advance the simulated clock)."""
+        holds, block_table = self.kv_cache.holds, self.kv_cache.block_table
+
         def first_block(rid: str) -> int:
-            return self.kv_cache.block_table(rid)[0] if self.kv_cache.holds(rid) else -1
+            return block_table(rid)[0] if holds(rid) else -1
 
         lanes = [LaneRecord(s.request_id, first_block(s.request_id), "prefill" if s.is_prefill else "decode",
                             s.num_tokens, s.start) for s in sched.scheduled]

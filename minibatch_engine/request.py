@@ -78,7 +78,7 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return self.num_prompt_tokens + self.num_output_tokens
+        return len(self._token_ids)      # prompt + outputs (kept in step by append_token)
 
     @property
     def num_tokens_with_spec(self) -> int:

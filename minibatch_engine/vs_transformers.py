@@ -101,7 +101,7 @@ def run_engine(model, prompts, max_tokens, batch: int, attention_backend: str) -
 
 
 def compare(model="tiny", num_requests: int = 64, batch: int = 64, seed: int = 0, rounds: int = 3,
-            threads: int | None = 2, attention_backend: str = "sdpa", workload: str = "uniform",
+            threads: int | None = 2, attention_backend: str = "auto", workload: str = "uniform",
             log=print) -> dict:
     """Run the three systems ``rounds`` times each, alternating; return a summary dict."""
     transformers = _require_transformers()
@@ -112,6 +112,8 @@ def compare(model="tiny", num_requests: int = 64, batch: int = 64, seed: int = 0
     from .workload import make_workload
     if threads:
         torch.set_num_threads(threads)
+    from .attention import get_attention_backend
+    attention_backend = get_attention_backend(attention_backend, "cpu").name   # "auto" -> what ran
     ours = resolve_model(model, device="cpu", dtype="float32")
     with tempfile.TemporaryDirectory() as ckpt:
         save_hf_checkpoint(ours, ckpt)

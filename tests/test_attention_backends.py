@@ -7,6 +7,7 @@ from hypothesis import strategies as st
 
 from minibatch_engine.attention import (AttentionMetadata, BatchMetadata, get_attention_backend)
 from minibatch_engine.attention.backend import triton_available
+from minibatch_engine.attention.cpu_kernel import cpu_kernel_available
 from minibatch_engine.attention.sdpa import SdpaBackend, length_buckets
 from minibatch_engine.kv import PagedKVCache
 from minibatch_engine.model import full_forward_logits, reference_generate
@@ -15,7 +16,7 @@ from .attention_cases import assert_matches_reference, random_batch
 
 # the reference is the ground truth the others are checked against (and tests/test_paged.py
 # checks it against full recompute), so only the other CPU backends are listed here
-CPU_BACKENDS = ["sdpa"]
+CPU_BACKENDS = ["sdpa", "cpp"]
 
 
 @pytest.mark.parametrize("name", CPU_BACKENDS)
@@ -52,7 +53,7 @@ def test_length_buckets_partition_and_bound_the_padding(blocks, waste):
 
 
 def test_get_attention_backend_names_and_errors(monkeypatch):
-    assert get_attention_backend("auto", "cpu").name == "sdpa"
+    assert get_attention_backend("auto", "cpu").name == ("cpp" if cpu_kernel_available() else "sdpa")
     assert get_attention_backend("reference").name == "reference"
     with pytest.raises(ValueError, match="unknown attention backend 'flash'"):
         get_attention_backend("flash")

@@ -9,10 +9,12 @@ every layer, ``forward`` writes the step's new K/V into the cache at
 to be told which backend is in use.
 
 Backends: ``"reference"`` (plain torch, padded, the ground truth), ``"sdpa"``
-(the fast CPU path: block gathers and ``scaled_dot_product_attention`` over
-length buckets), ``"triton"`` (a paged-attention kernel that reads K/V through
-the block table in place, for CUDA) and ``"auto"`` (triton on CUDA when it is
-installed, otherwise sdpa).
+(block gathers and ``scaled_dot_product_attention`` over length buckets: any
+device, no compiler), ``"cpp"`` (a C++ paged-attention kernel for the CPU that
+reads K/V through the block table in place, compiled on first use),
+``"triton"`` (the same idea as a Triton kernel, for CUDA) and ``"auto"``
+(triton on CUDA when it is installed; on a CPU, cpp when it builds; otherwise
+sdpa).
 """
 from __future__ import annotations
 
@@ -24,13 +26,14 @@ import torch
 
 from .metadata import BatchMetadata
 
-BACKENDS = ("reference", "sdpa", "triton", "auto")
+BACKENDS = ("reference", "sdpa", "cpp", "triton", "auto")
 
 
 class AttentionBackend(ABC):
     """Builds a step's metadata and runs attention over it (see the module docstring)."""
 
     name: str = ""
+    writes_kv: bool = False   # True: attend() writes the new K/V itself (fused with attention)
 
     @abstractmethod
     def build_metadata(self, query_lens: Sequence[int], seq_lens: Sequence[int],
@@ -42,7 +45,9 @@ class AttentionBackend(ABC):
     @abstractmethod
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BatchMetadata,
                k_cache: torch.Tensor | None, v_cache: torch.Tensor | None) -> torch.Tensor:
-        """Attention only, the new K/V already in the cache. Returns ``[T, Hq, D]``."""
+        """Attention only. The new K/V are already in the cache, unless the backend
+        sets ``writes_kv`` and writes them at ``meta.slot_mapping`` itself. Returns
+        ``[T, Hq, D]``."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BatchMetadata,
                 k_cache: torch.Tensor | None = None,
@@ -59,7 +64,7 @@ class AttentionBackend(ABC):
                              "built with block tables needs a KV cache")
         if q.shape[1] % k.shape[1]:
             raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
-        if k_cache is not None:
+        if k_cache is not None and not self.writes_kv:
             k_cache.index_copy_(0, meta.slot_mapping, k)
             v_cache.index_copy_(0, meta.slot_mapping, v)
         return self.attend(q, k, v, meta, k_cache, v_cache)
@@ -75,17 +80,31 @@ def triton_available() -> bool:
 def get_attention_backend(name: str = "auto", device: torch.device | str = "cpu") -> AttentionBackend:
     """The backend called ``name`` for a model on ``device``.
 
-    ``"auto"``: ``"triton"`` on CUDA when triton is installed, else ``"sdpa"``.
+    ``"auto"``: ``"triton"`` on CUDA when triton is installed; on a CPU ``"cpp"``
+    when the C++ kernel builds here; otherwise ``"sdpa"``.
     """
     dev = torch.device(device)
     if name == "auto":
-        name = "triton" if dev.type == "cuda" and triton_available() else "sdpa"
+        if dev.type == "cuda" and triton_available():
+            name = "triton"
+        else:
+            from .cpu_kernel import cpu_kernel_available
+            name = "cpp" if dev.type == "cpu" and cpu_kernel_available() else "sdpa"
     if name == "reference":
         from .reference import REFERENCE
         return REFERENCE
     if name == "sdpa":
         from .sdpa import SdpaBackend
         return SdpaBackend()
+    if name == "cpp":
+        if dev.type != "cpu":
+            raise ValueError(f'attention backend "cpp" runs on the CPU, not {dev.type}; use "auto"')
+        from .cpu_kernel import KernelUnavailable
+        from .cpp_backend import CppBackend
+        try:
+            return CppBackend()
+        except KernelUnavailable as e:
+            raise ValueError(f'attention backend "cpp" is unavailable here: {e} (pick "sdpa" or "auto")') from None
     if name == "triton":
         if not triton_available():
             raise ValueError('attention backend "triton" needs the triton package: '

@@ -52,6 +52,7 @@ class BlockManager:
         self.cached: dict[int, int] = {}                 # hash -> block id
         self.block_tables: dict[str, list[int]] = {}
         self.num_cow_copies = 0
+        self._used_tokens = 0     # sum of num_filled over referenced blocks, kept up to date
 
     # --- queries -------------------------------------------------------------------
     @property
@@ -119,8 +120,11 @@ class BlockManager:
 
     def num_blocks_to_copy(self, request_id: str, first_pos: int) -> int:
         """Shared blocks ``request_id`` would write into from ``first_pos`` on."""
-        table = self.block_tables.get(request_id, [])
-        return sum(self.blocks[b].ref_count > 1 for b in table[first_pos // self.block_size:])
+        table = self.block_tables.get(request_id, ())
+        blocks, n = self.blocks, 0
+        for i in range(first_pos // self.block_size, len(table)):
+            n += blocks[table[i]].ref_count > 1
+        return n
 
     def num_revived(self, block_ids: Sequence[int]) -> int:
         """How many of ``block_ids`` sit on the free list (cached, unreferenced)."""
@@ -133,6 +137,8 @@ class BlockManager:
         :meth:`find_cached_prefix`). Fails, changing nothing, if that would leave
         fewer than ``headroom`` free blocks."""
         table = self.block_tables.get(request_id)
+        if table and not prefix and -(-num_tokens // self.block_size) <= len(table):
+            return True                                      # fits already (most decode steps)
         if prefix and table:
             raise ValueError(f"request {request_id!r} already holds blocks; a prefix is for new requests")
         need = max(0, self.blocks_for(num_tokens) - (len(table) if table else len(prefix)))
@@ -143,6 +149,7 @@ class BlockManager:
             b = self.blocks[block_id]
             if b.ref_count == 0:
                 del self.free[block_id]                        # revive a freed cached block
+                self._used_tokens += b.num_filled
             b.ref_count += 1
             table.append(block_id)
         table.extend(self._take_free() for _ in range(need))
@@ -156,7 +163,9 @@ class BlockManager:
         bs = self.block_size
         for i in range(prev_computed // bs, min(len(table), -(-num_computed // bs))):
             b = self.blocks[table[i]]
-            b.num_filled = max(b.num_filled, min(bs, num_computed - i * bs))
+            filled = max(b.num_filled, min(bs, num_computed - i * bs))
+            self._used_tokens += filled - b.num_filled
+            b.num_filled = filled
             if b.num_filled < bs or b.hash is not None or not self.enable_prefix_caching:
                 continue
             parent = table[i - 1] if i > 0 else None
@@ -194,6 +203,7 @@ class BlockManager:
                     raise RuntimeError("no free block for copy-on-write")
                 dst = self._take_free()
                 self.blocks[dst].num_filled = src.num_filled
+                self._used_tokens += src.num_filled
                 src.ref_count -= 1
                 table[i] = dst
                 copies.append((src.block_id, dst))
@@ -212,7 +222,10 @@ class BlockManager:
             self._drop(table.pop())
         if table:
             last = self.blocks[table[-1]]
-            last.num_filled = min(last.num_filled, num_tokens - (len(table) - 1) * self.block_size)
+            filled = min(last.num_filled, num_tokens - (len(table) - 1) * self.block_size)
+            if last.ref_count > 0:
+                self._used_tokens += filled - last.num_filled
+            last.num_filled = filled
 
     def _drop(self, block_id: int) -> None:
         """One reference fewer; a block nobody holds returns to the free list
@@ -220,6 +233,7 @@ class BlockManager:
         b = self.blocks[block_id]
         b.ref_count -= 1
         if b.ref_count == 0:
+            self._used_tokens -= b.num_filled
             if b.hash is None:
                 b.num_filled = 0
             self.free[block_id] = None
@@ -232,7 +246,11 @@ class BlockManager:
 
     # --- accounting ------------------------------------------------------------------
     def used_tokens(self) -> int:
-        """Tokens held in blocks some request references (a shared block counts once)."""
+        """Tokens held in blocks some request references (a shared block counts once).
+        Kept as a running count (read every step); ``check_invariants`` recounts it."""
+        return self._used_tokens
+
+    def _count_used_tokens(self) -> int:
         in_use = set().union(*self.block_tables.values()) if self.block_tables else set()
         return sum(self.blocks[i].num_filled for i in in_use)
 
@@ -248,3 +266,5 @@ class BlockManager:
             assert b.ref_count >= 0
         for h, block_id in self.cached.items():
             assert self.blocks[block_id].hash == h
+        assert self._used_tokens == self._count_used_tokens(), \
+            f"used-token count {self._used_tokens} != {self._count_used_tokens()}"

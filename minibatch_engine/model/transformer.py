@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import BatchMetadata
+from . import fused
 from .config import ModelConfig
 
 
@@ -30,8 +31,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        var = x.float().pow(2).mean(-1, keepdim=True) if x.dtype != torch.float64 else x.pow(2).mean(-1, keepdim=True)
-        return (x.to(var.dtype) * torch.rsqrt(var + self.eps)).to(x.dtype) * self.weight
+        return fused.rms_norm(x, self.weight, self.eps)
 
 
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype):
@@ -43,11 +43,7 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, D]; cos, sin: [T, D]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+apply_rope = fused.apply_rope   # x: [T, H, D]; cos, sin: [T, D] (fused on a CPU)
 
 
 class Attention(nn.Module):
@@ -62,13 +58,13 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, meta: BatchMetadata, kv_layer):
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(
-            [self.num_heads * self.head_dim] + [self.num_kv_heads * self.head_dim] * 2, dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
+        qk, v = self.qkv_proj(x).split(
+            [(self.num_heads + self.num_kv_heads) * self.head_dim, self.num_kv_heads * self.head_dim], dim=-1)
+        qk = qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim)
+        if rope is not None:   # q and k heads rotated together: one set of ops, not two
+            qk = apply_rope(qk, *rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(T, self.num_kv_heads, self.head_dim)
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         k_cache, v_cache = kv_layer if kv_layer is not None else (None, None)
         out = meta.backend.forward(q, k, v, meta, k_cache, v_cache)   # the backend that built meta
         return self.o_proj(out.reshape(T, -1))
@@ -88,8 +84,7 @@ class MLP(nn.Module):
 
     def forward(self, x):
         if self.gated:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
+            return self.down_proj(fused.silu_and_mul(self.gate_up_proj(x)))
         return self.proj(F.gelu(self.fc(x), approximate="tanh"))
 
 
@@ -121,6 +116,19 @@ class Transformer(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
 
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos/sin rows of ``positions``. On a CPU they are looked up in a table of all
+        ``max_position`` positions, computed once (the same numbers, row by row)."""
+        cfg = self.config
+        if positions.device.type != "cpu" or positions.numel() == 0 or int(positions.max()) >= cfg.max_position:
+            return rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, dtype)
+        key = (dtype, cfg.head_dim, cfg.rope_theta, cfg.max_position)   # the config may be replaced
+        table = self.__dict__.setdefault("_rope_tables", {}).get(key)
+        if table is None:
+            table = self._rope_tables[key] = rope_cos_sin(torch.arange(cfg.max_position), cfg.head_dim,
+                                                            cfg.rope_theta, dtype)
+        return table[0][positions], table[1][positions]
+
     @property
     def device(self) -> torch.device:
         return self.embed.weight.device
@@ -148,7 +156,7 @@ class Transformer(nn.Module):
         if self.pos_embed is not None:
             x = x + self.pos_embed(positions)
         else:
-            rope = rope_cos_sin(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+            rope = self._rope(positions, x.dtype)
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, meta, None if kv_cache is None else kv_cache.layer(i))
         if not all_logits:

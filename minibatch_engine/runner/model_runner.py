@@ -14,7 +14,9 @@ with. It reads requests and never changes them.
 
 On CUDA with the ``"triton"`` backend, decode-only steps replay a CUDA graph
 (:mod:`.cuda_graphs`) instead of launching every kernel from Python; the
-switch is ``EngineConfig.cuda_graphs``.
+switch is ``EngineConfig.cuda_graphs``. On a CPU the model's linear layers are
+switched to prepacked weights (:mod:`.prepack`): the runner changes how the
+model it is given multiplies, never what it computes beyond float rounding.
 """
 from __future__ import annotations
 
@@ -28,6 +30,7 @@ from ..sampling import sample, sampling_probs
 from ..scheduler.base import SchedulerOutput
 from ..speculative.verify import rejection_sample, verify_greedy
 from .base import Runner, RunnerOutput
+from .prepack import prepack_linear_weights
 
 
 class ModelRunner(Runner):
@@ -45,6 +48,8 @@ class ModelRunner(Runner):
             from .cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(model, kv_cache, self.attention, max_num_seqs,
                                        max_model_len or model.config.max_position, self.pad_token_id)
+        if self.device.type == "cpu":
+            prepack_linear_weights(model)
         self.generators: dict[str, torch.Generator] = {}   # request id -> its sampling RNG
 
     def prepare_inputs(self, sched: SchedulerOutput):
@@ -57,14 +62,22 @@ class ModelRunner(Runner):
         positions: list[int] = []
         query_lens, seq_lens, tables = [], [], []
         logits_rows: list[int] = []
+        spec = sched.num_spec_tokens > 0
+        block_table = self.kv_cache.block_table
         for s in sched.scheduled:
-            end = len(ids) + s.num_tokens
-            logits_rows += range(end - 1 - s.num_spec_tokens, end)
-            ids += s.token_ids
-            positions += range(s.start, s.start + s.num_tokens)
-            query_lens.append(s.num_tokens)
-            seq_lens.append(s.start + s.num_tokens)
-            tables.append(self.kv_cache.block_table(s.request_id))
+            n, start = s.num_tokens, s.start
+            if spec:
+                end = len(ids) + n
+                logits_rows += range(end - 1 - s.num_spec_tokens, end)
+            if n == 1 and not s.spec_token_ids:      # a decode: its one known token
+                ids.append(s.request.all_token_ids[start])
+                positions.append(start)
+            else:
+                ids += s.token_ids
+                positions += range(start, start + n)
+            query_lens.append(n)
+            seq_lens.append(start + n)
+            tables.append(block_table(s.request_id))
         null = self.kv_cache.pool.null_block
         for p in sched.padding:
             logits_rows.append(len(ids) + p.num_tokens - 1)
@@ -76,7 +89,7 @@ class ModelRunner(Runner):
             tables.append(p.block_table if p.block_table is not None else [null] * n_blocks)
         meta = self.attention.build_metadata(query_lens, seq_lens, tables, self.kv_cache.block_size,
                                              device=self.device)
-        if sched.num_spec_tokens:
+        if spec:
             meta.logits_indices = torch.tensor(logits_rows, dtype=torch.long).to(self.device)
         input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
         pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
@@ -128,7 +141,8 @@ class ModelRunner(Runner):
                     seqs.append(seq)
             row += s.num_spec_tokens + 1
         if rows:
-            tokens = sample(logits[rows], [r.sampling_params for r in seqs],
+            every_row = len(rows) == logits.shape[0] and rows[-1] == len(rows) - 1   # rows == 0..n-1
+            tokens = sample(logits if every_row else logits[rows], [r.sampling_params for r in seqs],
                             [self._generator(r) for r in seqs]).tolist()
             out.sampled_token_ids.update({r.request_id: [t] for r, t in zip(seqs, tokens)})
         out.forward_s, out.sample_s = t1 - t0, time.perf_counter() - t1

@@ -158,10 +158,12 @@ class ContinuousScheduler(Scheduler):
             i = 0
             while i < len(self.running):
                 req = self.running[i]
-                remaining = req.num_tokens - req.num_computed_tokens
-                decoding = req.is_decoding
-                n = 0 if decoding != decode_pass or id(req) in step.granted else self._grant(req, step.budget)
-                spans = not decode_pass and n > 0 and (n < remaining or req.num_computed_tokens > 0)
+                if req.is_decoding != decode_pass or id(req) in step.granted:
+                    i += 1
+                    continue
+                n = self._grant(req, step.budget)
+                spans = not decode_pass and n > 0 and \
+                    (n < req.num_tokens - req.num_computed_tokens or req.num_computed_tokens > 0)
                 if n == 0 or (spans and step.partial >= self.max_num_partial_prefills):
                     i += 1
                     continue

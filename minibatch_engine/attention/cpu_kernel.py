@@ -1,0 +1,100 @@
+"""Build and load the C++ kernels for the CPU (``csrc/``): the paged-attention
+kernel (``paged_attention_cpu.cpp``) and the model's fused small ops (``cpu_ops.cpp``,
+used by :mod:`minibatch_engine.model.fused`).
+
+The kernels are compiled on first use with the machine's C++ compiler through
+``torch.utils.cpp_extension`` (about half a minute, once: the library is cached
+under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). It is
+compiled for this CPU (``-march=native``), so the cache key includes the CPU's
+flags as well as the source, the flags and the torch version: a home directory
+shared by different machines never loads a library built for another CPU.
+
+:func:`load_cpu_kernel` returns the module, or raises :class:`KernelUnavailable`
+saying why (no compiler, a failed build); :func:`cpu_kernel_available` answers
+without raising. ``MINIBATCH_NO_CPP=1`` turns the kernel off (``"auto"`` then
+picks ``"sdpa"``).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import shutil
+import sys
+from pathlib import Path
+
+import torch
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = [CSRC / "paged_attention_cpu.cpp", CSRC / "cpu_ops.cpp", CSRC / "bindings.cpp"]
+# -ffast-math is for the compile step only (vectorised exp); see the source's header.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
+LDFLAGS = ["-fopenmp"]
+
+_module = None
+_error: str | None = None
+
+
+class KernelUnavailable(RuntimeError):
+    """The C++ kernel cannot be built or loaded here (the message says why)."""
+
+
+def _cpu_signature() -> str:
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        pass
+    return platform.machine() + platform.processor() + flags
+
+
+def extension_name() -> str:
+    """``minibatch_paged_attention_<hash>``: source, flags, torch, Python and CPU in the hash."""
+    key = "\n".join([*(p.read_text() for p in SOURCES), " ".join(CFLAGS + LDFLAGS), torch.__version__,
+                     sys.version, _cpu_signature()])
+    return "minibatch_paged_attention_" + hashlib.sha256(key.encode()).hexdigest()[:12]
+
+
+def load_cpu_kernel(verbose: bool = False):
+    """The compiled kernel module (built on first call, then cached in memory and on disk)."""
+    global _module, _error
+    if _module is not None:
+        return _module
+    if _error is not None:
+        raise KernelUnavailable(_error)
+    try:
+        if os.environ.get("MINIBATCH_NO_CPP", "0") not in ("", "0"):
+            raise KernelUnavailable("MINIBATCH_NO_CPP is set")
+        cxx = os.environ.get("CXX", "c++")
+        if shutil.which(cxx) is None:
+            raise KernelUnavailable(f"no C++ compiler ({cxx!r} is not on PATH)")
+        from torch.utils.cpp_extension import load
+        name = extension_name()
+        if verbose or not _is_built(name):
+            print("minibatch_engine: compiling the C++ CPU kernels (paged attention, fused ops) "
+                  "(once, about 30 s)...", file=sys.stderr, flush=True)
+        _module = load(name, [str(p) for p in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, verbose=verbose)
+        return _module
+    except KernelUnavailable as e:
+        _error = str(e)
+    except Exception as e:   # a failed build or load: remember why, fall back elsewhere
+        _error = f"building the C++ kernel failed: {type(e).__name__}: {str(e).strip().splitlines()[-1:]}"
+    raise KernelUnavailable(_error)
+
+
+def _is_built(name: str) -> bool:
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+        return (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists()
+    except Exception:
+        return False
+
+
+def cpu_kernel_available() -> bool:
+    """True when the kernel is built or can be built here (builds it if needed)."""
+    try:
+        load_cpu_kernel()
+        return True
+    except KernelUnavailable:
+        return False

@@ -1,0 +1,17 @@
+// The Python module of the CPU kernels (built by attention/cpu_kernel.py).
+#include <torch/extension.h>
+
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, const at::Tensor& query_start, int64_t block_size);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_attention", &paged_attention, "paged attention over a ragged batch (paged_attention_cpu.cpp)");
+  m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (cpu_ops.cpp)");
+  m.def("rope", &rope, "rotary embedding, half-rotation layout (cpu_ops.cpp)");
+  m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (cpu_ops.cpp)");
+}

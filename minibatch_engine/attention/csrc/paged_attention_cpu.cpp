@@ -1,0 +1,196 @@
+// Paged attention for the CPU: K/V read through the block table, in place.
+//
+// The same algorithm as the Triton kernel (triton_kernel.py), written as a C++
+// loop for a CPU: no gather, no padding, no score matrix in memory.
+//
+// One work item per query token (at::parallel_for over torch's threads). For its
+// sequence s and absolute position i, the item walks key
+// positions p = 0 .. i in tiles of TILE, finds each key's slot through the
+// block table (slot = block_tables[s][p / block_size] * block_size +
+// p % block_size) and, for every query head, keeps a running max m, a running
+// sum l of exp(score - m) and an accumulator acc of exp(score - m) * V: the
+// online softmax (Milakov & Gimelshein 2018; FlashAttention's tiling, Dao et
+// al. 2022). One item serves all the token's heads, so each K/V row (all KV
+// heads, contiguous in the pool) is brought into cache once and read by the
+// G = Hq / Hkv query heads that share each KV head (grouped-query attention).
+//
+// With a cache, the step's new K/V are first written to their slots
+// (slot_mapping), then read back like any other key. Without a cache the keys
+// are the step's own new tokens: row query_start[s] + p of k and v. Accumulation is in float32 (float64 for float64
+// inputs, so the float64 checks stay exact).
+//
+// Compiled with -ffast-math (compile step only: the library does not link the
+// runtime that would flush denormals for the whole process) so that exp() is
+// vectorised; the code never relies on infinities (the running max starts at the
+// lowest finite value and the first tile does not rescale).
+#include <torch/extension.h>
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+constexpr int64_t TILE = 32;  // key positions scored before each rescale of acc
+constexpr int LANES = 16;     // independent partial sums, so the compiler can vectorise the dot product
+
+template <typename acc_t, typename scalar_t>
+inline acc_t dot(const acc_t* q, const scalar_t* k, int64_t D) {
+  acc_t part[LANES] = {};
+  int64_t d = 0;
+  for (; d + LANES <= D; d += LANES)
+    for (int j = 0; j < LANES; ++j) part[j] += q[d + j] * static_cast<acc_t>(k[d + j]);
+  acc_t s = 0;
+  for (int j = 0; j < LANES; ++j) s += part[j];
+  for (; d < D; ++d) s += q[d] * static_cast<acc_t>(k[d]);
+  return s;
+}
+
+template <typename scalar_t>
+void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
+            const at::Tensor& v_cache, const at::Tensor& slot_mapping, at::Tensor& out,
+            const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start,
+            int64_t block_size) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const bool paged = k_cache.numel() > 0;
+  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(1), G = Hq / Hkv;
+  const int64_t S = seq_lens.size(0), row = Hkv * D;
+  // q, k, v may be views into the fused qkv projection: rows of tokens with a stride
+  const int64_t q_stride = q.stride(0), k_stride = k.stride(0), v_stride = v.stride(0);
+  const scalar_t* qp = q.data_ptr<scalar_t>();
+  scalar_t* op = out.data_ptr<scalar_t>();
+  if (paged) {   // write the step's new K/V into their slots first (reshape_and_cache)
+    const int64_t* sm = slot_mapping.data_ptr<int64_t>();
+    scalar_t* kc = k_cache.data_ptr<scalar_t>();
+    scalar_t* vc = v_cache.data_ptr<scalar_t>();
+    const scalar_t* kn = k.data_ptr<scalar_t>();
+    const scalar_t* vn = v.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        std::copy(kn + t * k_stride, kn + t * k_stride + row, kc + sm[t] * row);
+        std::copy(vn + t * v_stride, vn + t * v_stride + row, vc + sm[t] * row);
+      }
+    });
+  }
+  // keys are read from the pool through the block table, or from the step's own rows
+  const scalar_t* kp = paged ? k_cache.data_ptr<scalar_t>() : k.data_ptr<scalar_t>();
+  const scalar_t* vp = paged ? v_cache.data_ptr<scalar_t>() : v.data_ptr<scalar_t>();
+  const int64_t k_row = paged ? row : k_stride, v_row = paged ? row : v_stride;
+  const int64_t* sl = seq_lens.data_ptr<int64_t>();
+  const int64_t* qs = query_start.data_ptr<int64_t>();
+  const int64_t* bt = paged ? block_tables.data_ptr<int64_t>() : nullptr;
+  const int64_t bt_stride = paged ? block_tables.size(1) : 0;
+  std::vector<int64_t> seq_of(T);
+  for (int64_t s = 0; s < S; ++s)
+    for (int64_t t = qs[s]; t < qs[s + 1]; ++t) seq_of[t] = s;
+  const acc_t scale = acc_t(1) / std::sqrt(static_cast<acc_t>(D));
+  auto slot_of = [&](int64_t s, int64_t p) {   // where key position p of sequence s lives
+    return paged ? bt[s * bt_stride + p / block_size] * block_size + p % block_size : qs[s] + p;
+  };
+  const acc_t lowest = std::numeric_limits<acc_t>::lowest();
+
+  // Work items are cut round-robin into a few chunks per thread, so long and short
+  // contexts are spread over the threads whatever order the batch is in.
+  const int64_t chunks = std::min<int64_t>(T, 8 * at::get_num_threads());
+  at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+    std::vector<acc_t> qf(Hq * D), acc(Hq * D), m(Hq), l(Hq), score(TILE);
+    std::vector<int64_t> slot(TILE);
+    for (int64_t c = chunk_begin; c < chunk_end; ++c)
+    for (int64_t t = c; t < T; t += chunks) {
+      const int64_t s = seq_of[t];
+      const int64_t q_len = qs[s + 1] - qs[s];
+      const int64_t num_keys = sl[s] - q_len + (t - qs[s]) + 1;  // causal: keys 0 .. own position
+      for (int64_t h = 0; h < Hq; ++h) {
+        const scalar_t* src = qp + t * q_stride + h * D;
+        for (int64_t d = 0; d < D; ++d) qf[h * D + d] = static_cast<acc_t>(src[d]) * scale;
+        m[h] = lowest;
+        l[h] = 0;
+      }
+      std::fill(acc.begin(), acc.end(), acc_t(0));
+      for (int64_t start = 0; start < num_keys; start += TILE) {
+        const int64_t n = std::min(TILE, num_keys - start);
+        for (int64_t j = 0; j < n; ++j) slot[j] = slot_of(s, start + j);
+        // Ask for the rows two tiles ahead now: hardware prefetchers stop at page
+        // edges, and a sequence's blocks lie anywhere in the pool.
+        for (int64_t p = start + 2 * TILE; p < std::min(start + 3 * TILE, num_keys); p += 2) {
+          __builtin_prefetch(kp + slot_of(s, p) * k_row);
+          __builtin_prefetch(vp + slot_of(s, p) * v_row);
+        }
+        for (int64_t h = 0; h < Hq; ++h) {
+          const int64_t kv_head = h / G;
+          acc_t tile_max = lowest;
+          for (int64_t j = 0; j < n; ++j) {
+            score[j] = dot(&qf[h * D], kp + slot[j] * k_row + kv_head * D, D);
+            tile_max = std::max(tile_max, score[j]);
+          }
+          const acc_t m_new = std::max(m[h], tile_max);
+          const acc_t alpha = start == 0 ? acc_t(0) : std::exp(m[h] - m_new);  // rescales the old sums
+          acc_t sum = 0;
+          for (int64_t j = 0; j < n; ++j) {
+            score[j] = std::exp(score[j] - m_new);
+            sum += score[j];
+          }
+          l[h] = l[h] * alpha + sum;
+          m[h] = m_new;
+          acc_t* a = &acc[h * D];
+          for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
+          for (int64_t j = 0; j < n; ++j) {
+            const scalar_t* vr = vp + slot[j] * v_row + kv_head * D;
+            const acc_t w = score[j];
+            for (int64_t d = 0; d < D; ++d) a[d] += w * static_cast<acc_t>(vr[d]);
+          }
+        }
+      }
+      for (int64_t h = 0; h < Hq; ++h) {
+        scalar_t* dst = op + (t * Hq + h) * D;
+        const acc_t inv = acc_t(1) / l[h];
+        for (int64_t d = 0; d < D; ++d) dst[d] = static_cast<scalar_t>(acc[h * D + d] * inv);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+// q: [T, Hq, D]; k, v: [T, Hkv, D], the step's new K/V (token rows may be strided,
+// each row contiguous); k_cache, v_cache: [num_slots, Hkv, D], one layer's pool, or
+// empty tensors for a cache-free forward (keys are then the new tokens themselves);
+// slot_mapping: [T] where each new token's K/V goes; block_tables: [S, max_blocks];
+// seq_lens: [S]; query_start: [S + 1] (all int64). Returns [T, Hq, D].
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                           const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                           const at::Tensor& seq_lens, const at::Tensor& query_start, int64_t block_size) {
+  const bool paged = k_cache.numel() > 0;
+  for (const auto* t : {&q, &k, &v, &k_cache, &v_cache, &slot_mapping, &block_tables, &seq_lens, &query_start})
+    TORCH_CHECK(t->device().is_cpu(), "paged_attention: CPU tensors only");
+  TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && q.size(0) == k.size(0),
+              "paged_attention: q must be [T, Hq, D] and k, v [T, Hkv, D]");
+  TORCH_CHECK(q.size(2) == k.size(2) && q.size(1) % k.size(1) == 0, "paged_attention: head mismatch");
+  for (const auto* t : {&q, &k, &v})
+    TORCH_CHECK(t->stride(2) == 1 && (t->size(1) == 1 || t->stride(1) == t->size(2)), "paged_attention: each token's heads must be contiguous");
+  TORCH_CHECK(k.scalar_type() == q.scalar_type() && v.scalar_type() == q.scalar_type(),
+              "paged_attention: q, k and v must share a dtype");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && query_start.scalar_type() == at::kLong &&
+                  seq_lens.is_contiguous() && query_start.is_contiguous() && query_start.size(0) == seq_lens.size(0) + 1,
+              "paged_attention: seq_lens [S] and query_start [S + 1] must be contiguous int64");
+  if (paged) {
+    TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 &&
+                    v_cache.sizes() == k_cache.sizes() && k_cache.size(1) == k.size(1) && k_cache.size(2) == k.size(2) &&
+                    k_cache.scalar_type() == q.scalar_type() && v_cache.scalar_type() == q.scalar_type(),
+                "paged_attention: caches must be contiguous [num_slots, Hkv, D] of q's dtype");
+    TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() && slot_mapping.numel() == q.size(0),
+                "paged_attention: slot_mapping must be [T] int64");
+    TORCH_CHECK(block_size > 0 && block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() &&
+                    block_tables.dim() == 2 && block_tables.size(0) == seq_lens.size(0),
+                "paged_attention: block tables must be contiguous int64 [S, max_blocks], block_size > 0");
+  }
+  auto out = at::empty(q.sizes(), q.options());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
+    attend<scalar_t>(q, k, v, k_cache, v_cache, slot_mapping, out, block_tables, seq_lens, query_start, block_size);
+  });
+  return out;
+}

@@ -1,0 +1,111 @@
+"""The C++ paged-attention kernel for the CPU (``attention/csrc``): what the
+shared backend tests in test_attention_backends.py do not reach."""
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from minibatch_engine.attention import get_attention_backend
+from minibatch_engine.attention import cpu_kernel
+from minibatch_engine.attention.cpu_kernel import KernelUnavailable, cpu_kernel_available
+
+from .attention_cases import assert_matches_reference, random_batch
+
+needs_kernel = pytest.mark.skipif(not cpu_kernel_available(), reason="no C++ compiler: the cpp kernel cannot build")
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_long_contexts_many_tiles_and_big_blocks(dtype):
+    """Contexts of several key tiles (32 positions each), GQA 4, and block sizes
+    up to a reserved row's 256 slots, against the reference."""
+    backend = get_attention_backend("cpp")
+    gen = torch.Generator().manual_seed(5)
+    for block_size in (7, 64, 256):
+        case = random_batch(gen, "mixed", block_size, 8, 2, 32, dtype, num_seqs=5, max_len=300)
+        assert_matches_reference(backend, case)
+
+
+@needs_kernel
+def test_half_precision_runs_and_is_close():
+    backend = get_attention_backend("cpp")
+    gen = torch.Generator().manual_seed(2)
+    case64 = random_batch(gen, "mixed", 16, 4, 2, 16, torch.float64, num_seqs=4)
+    case = {k: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) else v for k, v in case64.items()}
+    from .attention_cases import reference, run_backend
+    out, _, _ = run_backend(backend, case)
+    ref, _, _ = reference(case64)
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=5e-2)
+
+
+@needs_kernel
+def test_strided_token_rows_are_read_in_place():
+    """q, k and v as views into one fused projection (rows strided, as the model
+    passes them) give the same output as contiguous copies."""
+    backend = get_attention_backend("cpp")
+    gen = torch.Generator().manual_seed(9)
+    case = random_batch(gen, "mixed", 4, 4, 2, 16, torch.float32, num_seqs=5)
+    fused = torch.cat([case["q"].flatten(1), case["k"].flatten(1), case["v"].flatten(1)], dim=1)
+    q, k, v = fused.split([64, 32, 32], dim=1)
+    strided = dict(case, q=q.view(-1, 4, 16), k=k.view(-1, 2, 16), v=v.view(-1, 2, 16))
+    assert not strided["q"].is_contiguous()
+    assert_matches_reference(backend, strided)
+    assert_matches_reference(backend, strided, cache=False)
+
+
+@needs_kernel
+def test_kernel_rejects_bad_inputs():
+    kernel = cpu_kernel.load_cpu_kernel()
+    q, k = torch.zeros(3, 4, 8), torch.zeros(3, 2, 8)
+    e = torch.empty(0, dtype=torch.long)
+    sl, qs = torch.tensor([3]), torch.tensor([0, 3])
+    with pytest.raises(RuntimeError, match="head mismatch"):
+        kernel.paged_attention(q, torch.zeros(3, 3, 8), torch.zeros(3, 3, 8), e, e, e, e, sl, qs, 1)
+    with pytest.raises(RuntimeError, match="share a dtype"):
+        kernel.paged_attention(q, k.double(), k.double(), e, e, e, e, sl, qs, 1)
+    with pytest.raises(RuntimeError, match="int64"):
+        kernel.paged_attention(q, k, k, e, e, e, e, sl.int(), qs, 1)
+    cache = torch.zeros(8, 2, 8)
+    with pytest.raises(RuntimeError, match="slot_mapping"):
+        kernel.paged_attention(q, k, k, cache, cache, torch.tensor([0, 1]), torch.tensor([[0]]), sl, qs, 4)
+    with pytest.raises(ValueError, match='runs on the CPU'):
+        get_attention_backend("cpp", "cuda")
+
+
+@needs_kernel
+def test_loading_the_kernel_keeps_denormals():
+    """The kernel is compiled with -ffast-math; linking the fast-math runtime
+    would switch the whole process to flush-to-zero. It must not."""
+    code = ("import torch; from minibatch_engine.attention.cpu_kernel import load_cpu_kernel; "
+            "load_cpu_kernel(); x = torch.tensor([1e-40]); print(float(x * 1.0) != 0.0, float(x.double() / 4) != 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["True", "True"]
+
+
+def test_auto_falls_back_to_sdpa_without_the_kernel(monkeypatch):
+    monkeypatch.setattr(cpu_kernel, "_module", None)
+    monkeypatch.setattr(cpu_kernel, "_error", "no C++ compiler (test)")
+    assert not cpu_kernel_available()
+    assert get_attention_backend("auto", "cpu").name == "sdpa"
+    with pytest.raises(ValueError, match='"cpp" is unavailable here: no C\\+\\+ compiler'):
+        get_attention_backend("cpp", "cpu")
+
+
+def test_a_missing_compiler_is_reported(monkeypatch):
+    monkeypatch.setattr(cpu_kernel, "_module", None)
+    monkeypatch.setattr(cpu_kernel, "_error", None)
+    monkeypatch.setenv("CXX", "no-such-compiler-xyz")
+    with pytest.raises(KernelUnavailable, match="no C\\+\\+ compiler"):
+        cpu_kernel.load_cpu_kernel()
+    monkeypatch.setattr(cpu_kernel, "_error", None)
+
+
+def test_the_build_cache_key_follows_source_flags_and_cpu(monkeypatch):
+    name = cpu_kernel.extension_name()
+    assert name.startswith("minibatch_paged_attention_")
+    monkeypatch.setattr(cpu_kernel, "CFLAGS", cpu_kernel.CFLAGS + ["-DX"])
+    assert cpu_kernel.extension_name() != name
+    monkeypatch.undo()
+    monkeypatch.setattr(cpu_kernel, "_cpu_signature", lambda: "another cpu")
+    assert cpu_kernel.extension_name() != name
