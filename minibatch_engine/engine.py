@@ -303,18 +303,23 @@ class Engine:
         def first_block(rid: str) -> int:
             return block_table(rid)[0] if holds(rid) else -1
 
-        lanes = [LaneRecord(s.request_id, first_block(s.request_id), "prefill" if s.is_prefill else "decode",
-                            s.num_tokens, s.start) for s in sched.scheduled]
+        lanes, prefill, useful, verified = [], 0, 0, []
+        for s in sched.scheduled:      # one pass: lanes and the step's token counts
+            is_prefill = s.is_prefill
+            lanes.append(LaneRecord(s.request_id, first_block(s.request_id),
+                                    "prefill" if is_prefill else "decode", s.num_tokens, s.start))
+            useful += s.num_tokens
+            if is_prefill:
+                prefill += s.num_tokens
+            if s.spec_token_ids:
+                verified.append(s)
         lanes += [LaneRecord(p.owner.request_id, first_block(p.owner.request_id), "pad", p.num_tokens,
                              p.start_position) for p in sched.padding]
-        useful = sched.num_scheduled_tokens
-        prefill = sum(s.num_tokens for s in sched.scheduled if s.is_prefill)
         sim_start = sim_end = None
         if self.cost_model is not None:
             sim_start = started[1]
             self.sim_now = sim_end = sim_start + draft[1] + self.cost_model.step_time(
                 sched.sequence_shapes(), swap_bytes=sched.swap_bytes, logits_rows=sched.num_logits_rows)
-        verified = [s for s in sched.scheduled if s.num_spec_tokens]
         self.trace.append(StepRecord(
             step=sched.step, lanes=lanes, batch_id=sched.batch_id,
             computed_tokens=useful + sched.num_padding_tokens, useful_tokens=useful,
@@ -326,7 +331,7 @@ class Engine:
             forward_s=result.forward_s, sample_s=result.sample_s,
             preempted=list(sched.preempted), swap_bytes=sched.swap_bytes,
             sim_start=sim_start, sim_end=sim_end,
-            spec_proposed=sched.num_spec_tokens, num_verifications=len(verified),
+            spec_proposed=sum(len(s.spec_token_ids) for s in verified), num_verifications=len(verified),
             spec_accepted=sum(len(result.sampled_token_ids[s.request_id]) - 1 for s in verified),
             draft_s=draft[0], draft_sim_s=draft[1] if sim_start is not None else None))
 

@@ -7,12 +7,13 @@ the step's times in each clock. Nothing is counted on the side.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
 
-@dataclass
-class LaneRecord:
+class LaneRecord(NamedTuple):
+    """One request's work in one step (a tuple: the engine makes one per request per step)."""
     request_id: str
     first_block: int   # first KV block of the request (its row, for a reserved cache); -1: none
     kind: str          # "prefill", "decode", "pad"

@@ -69,7 +69,9 @@ def load_cpu_kernel(verbose: bool = False):
         cxx = os.environ.get("CXX", "c++")
         if shutil.which(cxx) is None:
             raise KernelUnavailable(f"no C++ compiler ({cxx!r} is not on PATH)")
-        from torch.utils.cpp_extension import load
+        from torch.utils.cpp_extension import is_ninja_available, load
+        if not is_ninja_available():
+            raise KernelUnavailable("ninja is not installed (pip install ninja)")
         name = extension_name()
         if verbose or not _is_built(name):
             print("minibatch_engine: compiling the C++ CPU kernels (paged attention, fused ops) "
@@ -79,7 +81,11 @@ def load_cpu_kernel(verbose: bool = False):
     except KernelUnavailable as e:
         _error = str(e)
     except Exception as e:   # a failed build or load: remember why, fall back elsewhere
-        _error = f"building the C++ kernel failed: {type(e).__name__}: {str(e).strip().splitlines()[-1:]}"
+        last = (str(e).strip().splitlines() or [""])[-1]
+        _error = f"building the C++ kernels failed: {type(e).__name__}: {last}"
+    if "MINIBATCH_NO_CPP" not in _error:   # said once per process
+        print(f"minibatch_engine: no C++ CPU kernels ({_error}); using torch operators "
+              "(sdpa attention): slower, same results", file=sys.stderr, flush=True)
     raise KernelUnavailable(_error)
 
 

@@ -102,7 +102,10 @@ def batch_fields(query_lens: Sequence[int], seq_lens: Sequence[int],
             n, q = seq_lens[s], query_lens[s]
             if len(blocks) < -(-n // block_size):
                 raise ValueError(f"sequence {s} needs {-(-n // block_size)} blocks, block table has {len(blocks)}")
-            slots += [blocks[p // block_size] * block_size + p % block_size for p in range(n - q, n)]
+            if q == 1:                                          # a decode: one slot
+                slots.append(blocks[(n - 1) // block_size] * block_size + (n - 1) % block_size)
+            else:
+                slots += [blocks[p // block_size] * block_size + p % block_size for p in range(n - q, n)]
         flat = array("q", bytes(8 * S * width))                # zero padded [S, width]
         for s, blocks in enumerate(block_tables):
             flat[s * width:s * width + len(blocks)] = array("q", blocks)

@@ -48,7 +48,8 @@ class ScheduledRequest:
             self.start = self.request.num_computed_tokens
         end, known = self.start + self.num_tokens, self.request.num_tokens
         self.samples = end >= known
-        self.spec_token_ids = list(self.request.spec_token_ids[:max(0, end - known)])
+        if self.request.spec_token_ids:
+            self.spec_token_ids = list(self.request.spec_token_ids[:max(0, end - known)])
 
     @property
     def num_spec_tokens(self) -> int:
@@ -209,7 +210,7 @@ class Scheduler:
                 continue
             for child in s.forks:
                 self._fork(r, child)
-            for seq in [r, *s.forks]:
+            for seq in ([r, *s.forks] if s.forks else (r,)):
                 for token in out.sampled_token_ids[seq.request_id]:
                     seq.append_token(token, sched.step)
                     if seq.is_finished:

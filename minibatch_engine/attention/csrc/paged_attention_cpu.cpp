@@ -34,11 +34,12 @@
 
 namespace {
 
-constexpr int64_t TILE = 32;  // key positions scored before each rescale of acc
+constexpr int64_t TILE = 128;  // key positions scored before each rescale of acc
 constexpr int LANES = 16;     // independent partial sums, so the compiler can vectorise the dot product
 
-template <typename acc_t, typename scalar_t>
-inline acc_t dot(const acc_t* q, const scalar_t* k, int64_t D) {
+template <int64_t DC, typename acc_t, typename scalar_t>
+inline acc_t dot(const acc_t* q, const scalar_t* k, int64_t D_runtime) {
+  const int64_t D = DC > 0 ? DC : D_runtime;   // a compile-time head size unrolls the loop
   acc_t part[LANES] = {};
   int64_t d = 0;
   for (; d + LANES <= D; d += LANES)
@@ -49,14 +50,14 @@ inline acc_t dot(const acc_t* q, const scalar_t* k, int64_t D) {
   return s;
 }
 
-template <typename scalar_t>
+template <typename scalar_t, int64_t DC>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
             const at::Tensor& v_cache, const at::Tensor& slot_mapping, at::Tensor& out,
             const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start,
             int64_t block_size) {
   using acc_t = at::opmath_type<scalar_t>;
   const bool paged = k_cache.numel() > 0;
-  const int64_t T = q.size(0), Hq = q.size(1), D = q.size(2), Hkv = k.size(1), G = Hq / Hkv;
+  const int64_t T = q.size(0), Hq = q.size(1), D = DC > 0 ? DC : q.size(2), Hkv = k.size(1), G = Hq / Hkv;
   const int64_t S = seq_lens.size(0), row = Hkv * D;
   // q, k, v may be views into the fused qkv projection: rows of tokens with a stride
   const int64_t q_stride = q.stride(0), k_stride = k.stride(0), v_stride = v.stride(0);
@@ -96,7 +97,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   // contexts are spread over the threads whatever order the batch is in.
   const int64_t chunks = std::min<int64_t>(T, 8 * at::get_num_threads());
   at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
-    std::vector<acc_t> qf(Hq * D), acc(Hq * D), m(Hq), l(Hq), score(TILE);
+    std::vector<acc_t> qf(Hq * D), acc(Hq * D), m(Hq), l(Hq), score(Hq * TILE);
     std::vector<int64_t> slot(TILE);
     for (int64_t c = chunk_begin; c < chunk_end; ++c)
     for (int64_t t = c; t < T; t += chunks) {
@@ -115,31 +116,38 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
         for (int64_t j = 0; j < n; ++j) slot[j] = slot_of(s, start + j);
         // Ask for the rows two tiles ahead now: hardware prefetchers stop at page
         // edges, and a sequence's blocks lie anywhere in the pool.
-        for (int64_t p = start + 2 * TILE; p < std::min(start + 3 * TILE, num_keys); p += 2) {
+        for (int64_t p = start + TILE; p < std::min(start + 2 * TILE, num_keys); p += 2) {
           __builtin_prefetch(kp + slot_of(s, p) * k_row);
           __builtin_prefetch(vp + slot_of(s, p) * v_row);
         }
+        // scores of every head for the tile's keys: each K row is read once, by all heads
+        for (int64_t j = 0; j < n; ++j) {
+          const scalar_t* krow = kp + slot[j] * k_row;
+          for (int64_t h = 0; h < Hq; ++h) score[h * TILE + j] = dot<DC>(&qf[h * D], krow + (h / G) * D, D);
+        }
         for (int64_t h = 0; h < Hq; ++h) {
-          const int64_t kv_head = h / G;
+          acc_t* sc = &score[h * TILE];
           acc_t tile_max = lowest;
-          for (int64_t j = 0; j < n; ++j) {
-            score[j] = dot(&qf[h * D], kp + slot[j] * k_row + kv_head * D, D);
-            tile_max = std::max(tile_max, score[j]);
-          }
+          for (int64_t j = 0; j < n; ++j) tile_max = std::max(tile_max, sc[j]);
           const acc_t m_new = std::max(m[h], tile_max);
           const acc_t alpha = start == 0 ? acc_t(0) : std::exp(m[h] - m_new);  // rescales the old sums
           acc_t sum = 0;
           for (int64_t j = 0; j < n; ++j) {
-            score[j] = std::exp(score[j] - m_new);
-            sum += score[j];
+            sc[j] = std::exp(sc[j] - m_new);
+            sum += sc[j];
           }
           l[h] = l[h] * alpha + sum;
           m[h] = m_new;
           acc_t* a = &acc[h * D];
           for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
-          for (int64_t j = 0; j < n; ++j) {
-            const scalar_t* vr = vp + slot[j] * v_row + kv_head * D;
-            const acc_t w = score[j];
+        }
+        // then every head's weighted sum of the tile's V rows, each row read once
+        for (int64_t j = 0; j < n; ++j) {
+          const scalar_t* vrow = vp + slot[j] * v_row;
+          for (int64_t h = 0; h < Hq; ++h) {
+            const acc_t w = score[h * TILE + j];
+            const scalar_t* vr = vrow + (h / G) * D;
+            acc_t* a = &acc[h * D];
             for (int64_t d = 0; d < D; ++d) a[d] += w * static_cast<acc_t>(vr[d]);
           }
         }
@@ -190,7 +198,12 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   }
   auto out = at::empty(q.sizes(), q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
-    attend<scalar_t>(q, k, v, k_cache, v_cache, slot_mapping, out, block_tables, seq_lens, query_start, block_size);
+    // the common head sizes get their own compiled loops (fully unrolled over D)
+    switch (q.size(2)) {
+      case 64: attend<scalar_t, 64>(q, k, v, k_cache, v_cache, slot_mapping, out, block_tables, seq_lens, query_start, block_size); break;
+      case 128: attend<scalar_t, 128>(q, k, v, k_cache, v_cache, slot_mapping, out, block_tables, seq_lens, query_start, block_size); break;
+      default: attend<scalar_t, 0>(q, k, v, k_cache, v_cache, slot_mapping, out, block_tables, seq_lens, query_start, block_size);
+    }
   });
   return out;
 }
