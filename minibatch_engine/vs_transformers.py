@@ -20,6 +20,8 @@ gives output tokens per second (median over rounds) and the ratios.
 """
 from __future__ import annotations
 
+import os
+import platform
 import statistics
 import tempfile
 import time
@@ -28,6 +30,17 @@ from dataclasses import dataclass, field
 import torch
 
 SYSTEMS = ("hf-static", "hf-continuous", "engine")
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip() + f" ({os.cpu_count()} CPUs)"
+    except OSError:
+        pass
+    return (platform.processor() or platform.machine()) + f" ({os.cpu_count()} CPUs)"
 
 
 def _require_transformers():
@@ -149,6 +162,8 @@ def compare(model="tiny", num_requests: int = 64, batch: int = 64, seed: int = 0
         "workload": workload, "num_requests": num_requests, "batch": batch, "seed": seed,
         "rounds": rounds, "threads": torch.get_num_threads(), "attention_backend": attention_backend,
         "output_tokens": output_tokens, "torch": torch.__version__, "transformers": transformers.__version__,
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "cpu": _cpu_name(),
+        "load_average_at_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "systems": {},
     }
     for name, res in results.items():

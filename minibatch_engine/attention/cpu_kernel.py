@@ -73,7 +73,7 @@ def load_cpu_kernel(verbose: bool = False):
         if not is_ninja_available():
             raise KernelUnavailable("ninja is not installed (pip install ninja)")
         name = extension_name()
-        if verbose or not _is_built(name):
+        if verbose or (not _is_built(name) and sys.stderr.isatty()):   # a terminal, not a notebook
             print("minibatch_engine: compiling the C++ CPU kernels (paged attention, fused ops) "
                   "(once, about 30 s)...", file=sys.stderr, flush=True)
         _module = load(name, [str(p) for p in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, verbose=verbose)

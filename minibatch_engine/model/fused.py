@@ -1,7 +1,7 @@
 """The model's small ops, fused into one C++ kernel each on a CPU.
 
 A decode step runs each layer's RMSNorm, rotary embedding and SwiGLU activation
-on a few dozen rows. Written in torch they are 5, 5 and 3 ops, each a dispatch
+on a few dozen rows. Written in torch they are 6, 5 and 2 computing ops, each a dispatch
 and a pass over memory; at that size the dispatches cost more than the
 arithmetic. On a CPU where the C++ kernels build (``attention/csrc/cpu_ops.cpp``,
 built with the paged-attention kernel) each becomes one call; elsewhere

@@ -24,8 +24,9 @@ overwrites before ``replay()``:
   needs no new graph. Padding rows have length 1, a block table of the pool's
   *null block* and write their K/V into that block, which no request owns.
 * **What is not captured.** Prefills and mixed steps (their token count and
-  per-sequence query lengths change every step; they are large enough that
-  launch cost is small next to their arithmetic, so vLLM runs them eagerly too),
+  per-sequence query lengths change every step, and large ones amortise their
+  launches; vLLM V1 captures piecewise graphs for them, attention left eager,
+  up to a token limit: not done here),
   and the ``"sdpa"``/``"reference"`` backends, whose metadata is a Python-level
   plan of buckets and padded groups that changes from step to step: with them
   every step runs eagerly.

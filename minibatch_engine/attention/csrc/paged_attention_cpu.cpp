@@ -114,7 +114,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       for (int64_t start = 0; start < num_keys; start += TILE) {
         const int64_t n = std::min(TILE, num_keys - start);
         for (int64_t j = 0; j < n; ++j) slot[j] = slot_of(s, start + j);
-        // Ask for the rows two tiles ahead now: hardware prefetchers stop at page
+        // Hint the next tile's rows (every other row's start): hardware prefetchers stop at page
         // edges, and a sequence's blocks lie anywhere in the pool.
         for (int64_t p = start + TILE; p < std::min(start + 2 * TILE, num_keys); p += 2) {
           __builtin_prefetch(kp + slot_of(s, p) * k_row);
