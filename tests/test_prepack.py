@@ -8,7 +8,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from minibatch_engine import Engine, SamplingParams
-from minibatch_engine.kv import pool as pool_mod
 from minibatch_engine.kv.pool import KVPool
 from minibatch_engine.model import build_model
 from minibatch_engine.runner.prepack import (prepack_available, prepack_linear_weights,
@@ -63,15 +62,14 @@ def test_engine_tokens_are_the_same_with_and_without_packing():
     assert run(True) == run(False)
 
 
-def test_large_pools_are_zero_writable_and_huge_page_aligned():
+def test_large_pools_are_zero_and_writable():
     p = KVPool(2, 1024, 16, 2, 64, torch.float32, "cpu")     # 32 MiB: the mmap path
     assert p.kv.is_contiguous() and p.kv.shape == (2, 2, 1025, 16, 2, 64)
     assert not p.kv.any()
     k, v = p.layer(1)
     k[5] = 1.0
     assert p.kv.sum() == 2 * 64
-    if pool_mod.sys.platform.startswith("linux"):
-        assert p.kv.data_ptr() % (2 << 20) == 0
+    assert p.kv.data_ptr() % 64 == 0        # aligned for vector loads (a page, with mmap)
 
 
 def test_pool_falls_back_to_torch_zeros(monkeypatch):

@@ -13,40 +13,32 @@ work (the static batcher's pad tokens) writes its K/V there.
 """
 from __future__ import annotations
 
-import ctypes
 import mmap
 import sys
 
 import torch
 
-_HUGE_PAGE = 2 << 20
-_MADV_HUGEPAGE = 14
+_MIN_MMAP_BYTES = 8 << 20
 
 
-def _huge_page_zeros(shape, dtype) -> torch.Tensor:
-    """A zero CPU tensor in fresh anonymous memory (``mmap``) that Linux is asked to
-    back with 2 MiB pages (``madvise(MADV_HUGEPAGE)``).
+def _lazy_zeros(shape, dtype) -> torch.Tensor:
+    """A zero CPU tensor in fresh anonymous memory (``mmap``).
 
-    Blocks are read all over a pool of hundreds of MiB; with 4 KiB pages nearly
-    every block read is a TLB miss. Anonymous memory is zero by definition and
-    its pages are only materialised when first written, so a large pool costs
-    nothing until its blocks are used (``torch.zeros`` would write every byte up
-    front). Elsewhere, for small pools, or if anything fails: ``torch.zeros``.
+    Anonymous memory is zero by definition, and the OS materialises its pages
+    only when they are first written: a pool of hundreds of MiB costs nothing
+    until its blocks are used, where ``torch.zeros`` would write every byte up
+    front (tens of ms for the default pool, paid by every engine that is
+    built). Small pools, other systems, or any failure: ``torch.zeros``.
     """
     n = 1
     for d in shape:
         n *= d
     nbytes = n * torch.empty((), dtype=dtype).element_size()
-    if not sys.platform.startswith("linux") or nbytes < 4 * _HUGE_PAGE:
+    if not sys.platform.startswith("linux") or nbytes < _MIN_MMAP_BYTES:
         return torch.zeros(shape, dtype=dtype)
     try:
-        buf = mmap.mmap(-1, nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # zero-filled
-        raw = torch.frombuffer(buf, dtype=torch.uint8)      # shares buf's memory, keeps it alive
-        offset = -raw.data_ptr() % _HUGE_PAGE               # start on a 2 MiB boundary
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.madvise(ctypes.c_void_p(raw.data_ptr() + offset),
-                     ctypes.c_size_t(nbytes // _HUGE_PAGE * _HUGE_PAGE), _MADV_HUGEPAGE)   # advice only
-        return raw[offset:offset + nbytes].view(dtype).view(shape)
+        buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)   # zero-filled
+        return torch.frombuffer(buf, dtype=dtype).view(shape)   # shares buf's memory, keeps it alive
     except (OSError, ValueError, AttributeError):
         return torch.zeros(shape, dtype=dtype)
 
@@ -60,7 +52,7 @@ class KVPool:
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
         # [layers, K/V, num_blocks + 1 (null block), block_size, kv_heads, head_dim]
         shape = (num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim)
-        self.kv = _huge_page_zeros(shape, dtype) if torch.device(device).type == "cpu" \
+        self.kv = _lazy_zeros(shape, dtype) if torch.device(device).type == "cpu" \
             else torch.zeros(shape, dtype=dtype, device=device)
         self.null_block = num_blocks
 
