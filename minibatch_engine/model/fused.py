@@ -32,16 +32,23 @@ def torch_ops_only():
         _enabled = before
 
 
+_module = None   # the compiled module once loaded, False when it cannot be
+
+
 def _kernel(x: torch.Tensor):
-    """The compiled module when ``x`` can use it, else None."""
+    """The compiled module when ``x`` can use it, else None (called for every op:
+    the module is looked up once)."""
+    global _module
     if not _enabled or x.device.type != "cpu" or x.dtype not in _FUSED_DTYPES or \
             (torch.is_grad_enabled() and x.requires_grad):
         return None
-    from ..attention.cpu_kernel import KernelUnavailable, load_cpu_kernel
-    try:
-        return load_cpu_kernel()
-    except KernelUnavailable:
-        return None
+    if _module is None:
+        from ..attention.cpu_kernel import KernelUnavailable, load_cpu_kernel
+        try:
+            _module = load_cpu_kernel()
+        except KernelUnavailable:
+            _module = False
+    return _module or None
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -133,13 +133,17 @@ class ModelRunner(Runner):
         # proposals has k + 1 rows and is verified instead.
         rows, seqs, row = [], [], 0
         for s in sched.scheduled:
-            if s.num_spec_tokens:
-                out.sampled_token_ids[s.request_id] = self._verify(s, logits[row:row + s.num_spec_tokens + 1])
+            if s.spec_token_ids:
+                k = len(s.spec_token_ids)
+                out.sampled_token_ids[s.request_id] = self._verify(s, logits[row:row + k + 1])
+                row += k
             elif s.samples:
-                for seq in [s.request, *s.forks]:
+                rows.append(row)
+                seqs.append(s.request)
+                for seq in s.forks:
                     rows.append(row)
                     seqs.append(seq)
-            row += s.num_spec_tokens + 1
+            row += 1
         if rows:
             every_row = len(rows) == logits.shape[0] and rows[-1] == len(rows) - 1   # rows == 0..n-1
             tokens = sample(logits if every_row else logits[rows], [r.sampling_params for r in seqs],

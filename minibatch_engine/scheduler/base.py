@@ -201,7 +201,7 @@ class Scheduler:
             r = s.request
             if r.is_finished:             # ended from outside since it was scheduled
                 continue
-            if s.num_spec_tokens:
+            if s.spec_token_ids:
                 self._verified(r, s, out.sampled_token_ids[r.request_id])
             else:
                 r.num_computed_tokens = s.start + s.num_tokens
