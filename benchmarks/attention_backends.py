@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import time
 from pathlib import Path
 
 import torch
 
 from minibatch_engine.attention import get_attention_backend
+from minibatch_engine.bench import cpu_name
 from minibatch_engine.attention.cpu_kernel import cpu_kernel_available
 from minibatch_engine.attention.sdpa import SdpaBackend
 from minibatch_engine.kv.pool import KVPool
@@ -77,7 +77,7 @@ def main(rounds: int, write: bool, threads: int = 2) -> str:
     if cpu_kernel_available():
         backends["cpp (C++ paged kernel)"] = get_attention_backend("cpp")
     whole = [n for n in ("reference", "sdpa (default, waste <= 1/8)", "cpp (C++ paged kernel)") if n in backends]
-    lines = [f"Measured {time.strftime('%Y-%m-%d')} on {platform.processor() or platform.machine()}, "
+    lines = [f"Measured {time.strftime('%Y-%m-%d')} on {cpu_name()}, "
              f"torch {torch.__version__}, {torch.get_num_threads()} threads, load average "
              f"{os.getloadavg()[0]:.1f} at the start (a shared machine), best of {rounds} "
              "alternating rounds.", ""]

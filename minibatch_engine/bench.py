@@ -3,6 +3,7 @@ summarised as a flat dict (the JSON keys every chapter and later issue share).""
 from __future__ import annotations
 
 import json
+import platform
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -119,6 +120,19 @@ def group_summary(engine: Engine, requests, groups, slos) -> dict:
                 g[f"{metric}_{k}_s"] = v
         out[name] = g
     return out
+
+
+def cpu_name() -> str:
+    """The CPU's model name (from ``/proc/cpuinfo`` where there is one), for the
+    provenance line of a benchmark."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def warmup(model, steps: int = 4) -> None:

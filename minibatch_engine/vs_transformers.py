@@ -21,7 +21,6 @@ gives output tokens per second (median over rounds) and the ratios.
 from __future__ import annotations
 
 import os
-import platform
 import statistics
 import tempfile
 import time
@@ -30,17 +29,6 @@ from dataclasses import dataclass, field
 import torch
 
 SYSTEMS = ("hf-static", "hf-continuous", "engine")
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip() + f" ({os.cpu_count()} CPUs)"
-    except OSError:
-        pass
-    return (platform.processor() or platform.machine()) + f" ({os.cpu_count()} CPUs)"
 
 
 def _require_transformers():
@@ -118,7 +106,7 @@ def compare(model="tiny", num_requests: int = 64, batch: int = 64, seed: int = 0
             log=print) -> dict:
     """Run the three systems ``rounds`` times each, alternating; return a summary dict."""
     transformers = _require_transformers()
-    from .bench import warmup
+    from .bench import cpu_name, warmup
     from .model.config import PAD_ID
     from .model.hf_export import save_hf_checkpoint
     from .model.registry import resolve_model
@@ -162,7 +150,7 @@ def compare(model="tiny", num_requests: int = 64, batch: int = 64, seed: int = 0
         "workload": workload, "num_requests": num_requests, "batch": batch, "seed": seed,
         "rounds": rounds, "threads": torch.get_num_threads(), "attention_backend": attention_backend,
         "output_tokens": output_tokens, "torch": torch.__version__, "transformers": transformers.__version__,
-        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "cpu": _cpu_name(),
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "cpu": f"{cpu_name()} ({os.cpu_count()} CPUs)",
         "load_average_at_end": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
         "systems": {},
     }

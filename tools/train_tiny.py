@@ -61,6 +61,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from minibatch_engine.attention import AttentionMetadata
+from minibatch_engine.bench import cpu_name
 from minibatch_engine.model.config import BOS_ID, EOS_ID, PAD_ID, TINY, ModelConfig
 from minibatch_engine.model.hf_export import hf_state_dict
 from minibatch_engine.model.reference import reference_generate
@@ -261,16 +262,6 @@ def plot_curve(log: dict, name: str, file: Path, seq_len: int, batch: int) -> No
     fig.tight_layout()
     fig.savefig(file, dpi=110)
     plt.close(fig)
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def sample(model: Transformer, prompt: str, n: int) -> str:

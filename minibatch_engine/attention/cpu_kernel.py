@@ -97,10 +97,17 @@ def _is_built(name: str) -> bool:
         return False
 
 
+def cpu_kernel_or_none():
+    """The compiled module, or None where it cannot be built (builds it if needed;
+    after the first call this is a lookup)."""
+    if _module is not None:
+        return _module
+    try:
+        return load_cpu_kernel()
+    except KernelUnavailable:
+        return None
+
+
 def cpu_kernel_available() -> bool:
     """True when the kernel is built or can be built here (builds it if needed)."""
-    try:
-        load_cpu_kernel()
-        return True
-    except KernelUnavailable:
-        return False
+    return cpu_kernel_or_none() is not None

@@ -97,8 +97,9 @@ def batch_fields(query_lens: Sequence[int], seq_lens: Sequence[int],
             raise ValueError(f"{len(block_tables)} block tables for {S} sequences")
         width = max(len(b) for b in block_tables)
         slots: list[int] = []      # built in Python: a step has at most a few thousand new tokens
-        block_tables = [b if isinstance(b, list) else [int(x) for x in b] for b in block_tables]
+        flat = array("q", bytes(8 * S * width))                # the tables, zero padded to [S, width]
         for s, blocks in enumerate(block_tables):
+            blocks = blocks if isinstance(blocks, list) else [int(x) for x in blocks]
             n, q = seq_lens[s], query_lens[s]
             if len(blocks) < -(-n // block_size):
                 raise ValueError(f"sequence {s} needs {-(-n // block_size)} blocks, block table has {len(blocks)}")
@@ -106,8 +107,6 @@ def batch_fields(query_lens: Sequence[int], seq_lens: Sequence[int],
                 slots.append(blocks[(n - 1) // block_size] * block_size + (n - 1) % block_size)
             else:
                 slots += [blocks[p // block_size] * block_size + p % block_size for p in range(n - q, n)]
-        flat = array("q", bytes(8 * S * width))                # zero padded [S, width]
-        for s, blocks in enumerate(block_tables):
             flat[s * width:s * width + len(blocks)] = array("q", blocks)
         bt = torch.frombuffer(flat, dtype=torch.long).view(S, width)
         slot_mapping = _long(slots)

@@ -16,6 +16,8 @@ from contextlib import contextmanager
 import torch
 import torch.nn.functional as F
 
+from ..attention.cpu_kernel import cpu_kernel_or_none
+
 _FUSED_DTYPES = (torch.float32, torch.float64)
 _enabled = True
 
@@ -32,23 +34,12 @@ def torch_ops_only():
         _enabled = before
 
 
-_module = None   # the compiled module once loaded, False when it cannot be
-
-
 def _kernel(x: torch.Tensor):
-    """The compiled module when ``x`` can use it, else None (called for every op:
-    the module is looked up once)."""
-    global _module
+    """The compiled module when ``x`` can use it, else None."""
     if not _enabled or x.device.type != "cpu" or x.dtype not in _FUSED_DTYPES or \
             (torch.is_grad_enabled() and x.requires_grad):
         return None
-    if _module is None:
-        from ..attention.cpu_kernel import KernelUnavailable, load_cpu_kernel
-        try:
-            _module = load_cpu_kernel()
-        except KernelUnavailable:
-            _module = False
-    return _module or None
+    return cpu_kernel_or_none()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

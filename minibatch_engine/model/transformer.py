@@ -107,6 +107,7 @@ class Transformer(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
+        self._rope_tables: dict = {}   # (dtype, head_dim, theta, max_position) -> (cos, sin) of every position
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.pos_embed = nn.Embedding(cfg.max_position, cfg.hidden_size) if cfg.family == "gpt2" else None
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.num_layers))
@@ -123,7 +124,7 @@ class Transformer(nn.Module):
         if positions.device.type != "cpu" or positions.numel() == 0 or int(positions.max()) >= cfg.max_position:
             return rope_cos_sin(positions, cfg.head_dim, cfg.rope_theta, dtype)
         key = (dtype, cfg.head_dim, cfg.rope_theta, cfg.max_position)   # the config may be replaced
-        table = self.__dict__.setdefault("_rope_tables", {}).get(key)
+        table = self._rope_tables.get(key)
         if table is None:
             table = self._rope_tables[key] = rope_cos_sin(torch.arange(cfg.max_position), cfg.head_dim,
                                                             cfg.rope_theta, dtype)
