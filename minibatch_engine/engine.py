@@ -298,11 +298,7 @@ class Engine:
     def _record(self, sched: SchedulerOutput, result: RunnerOutput, started: tuple[float, float],
                 draft: tuple[float, float] = (0.0, 0.0)) -> None:
         """Append the step to the trace (and advance the simulated clock)."""
-        holds, block_table = self.kv_cache.holds, self.kv_cache.block_table
-
-        def first_block(rid: str) -> int:
-            return block_table(rid)[0] if holds(rid) else -1
-
+        first_block = self.kv_cache.first_block
         lanes, prefill, useful, verified = [], 0, 0, []
         for s in sched.scheduled:      # one pass: lanes and the step's token counts
             is_prefill = s.is_prefill

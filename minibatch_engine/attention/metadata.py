@@ -85,7 +85,7 @@ def batch_fields(query_lens: Sequence[int], seq_lens: Sequence[int],
             raise ValueError(f"bad lengths: query_len={q}, seq_len={n}")
     S = len(query_lens)
     qstart_list = [0, *accumulate(query_lens)]
-    ql, sl, qstart = _long(query_lens), _long(seq_lens), _long(qstart_list)
+    ql, sl, qstart = long_tensor(query_lens), long_tensor(seq_lens), long_tensor(qstart_list)
     bt = slot_mapping = None
     if block_tables is None:
         if any(q != n for q, n in zip(query_lens, seq_lens)):
@@ -109,14 +109,14 @@ def batch_fields(query_lens: Sequence[int], seq_lens: Sequence[int],
                 slots += [blocks[p // block_size] * block_size + p % block_size for p in range(n - q, n)]
             flat[s * width:s * width + len(blocks)] = array("q", blocks)
         bt = torch.frombuffer(flat, dtype=torch.long).view(S, width)
-        slot_mapping = _long(slots)
+        slot_mapping = long_tensor(slots)
     return dict(query_lens=ql, seq_lens=sl, query_start_loc=qstart, slot_mapping=slot_mapping,
                 block_tables=bt, block_size=block_size,
-                logits_indices=_long([q - 1 for q in qstart_list[1:]]),
+                logits_indices=long_tensor([q - 1 for q in qstart_list[1:]]),
                 max_query_len=max(query_lens), max_seq_len=max(seq_lens))
 
 
-def _long(values: list[int]) -> torch.Tensor:
+def long_tensor(values: list[int]) -> torch.Tensor:
     """An int64 tensor of ``values``, through a C array (several times faster than
     ``torch.tensor`` on a Python list: this runs every step)."""
     return torch.frombuffer(array("q", values), dtype=torch.long) if values else torch.zeros(0, dtype=torch.long)

@@ -88,6 +88,9 @@ class KVCacheManager(Protocol):
     def holds(self, request_id: str) -> bool:
         """Whether the request holds memory now."""
 
+    def first_block(self, request_id: str) -> int:
+        """The request's first block (its row, for a reserved cache); -1 if it holds none."""
+
     def layer(self, i: int):
         """(k, v) flat views ``[num_slots, kv_heads, head_dim]`` of layer ``i``."""
 

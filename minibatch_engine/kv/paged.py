@@ -100,6 +100,10 @@ class PagedKVCache(PoolBacked):
     def holds(self, request_id: str) -> bool:
         return self.manager.holds(request_id)
 
+    def first_block(self, request_id: str) -> int:
+        table = self.manager.block_tables.get(request_id)    # (the trace asks this per request per step)
+        return table[0] if table else -1
+
     # --- memory accounting -------------------------------------------------------
     @property
     def reserved_bytes(self) -> int:

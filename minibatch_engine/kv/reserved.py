@@ -103,6 +103,9 @@ class ReservedKVCache(PoolBacked):
     def block_table(self, request_id: str) -> list[int]:
         return [self.row_of[request_id]]
 
+    def first_block(self, request_id: str) -> int:
+        return self.row_of.get(request_id, -1)
+
     # --- memory accounting -------------------------------------------------------
     @property
     def reserved_bytes(self) -> int:

@@ -25,6 +25,7 @@ import time
 import torch
 
 from ..attention import get_attention_backend
+from ..attention.metadata import long_tensor
 from ..model.config import PAD_ID
 from ..sampling import sample, sampling_probs
 from ..scheduler.base import SchedulerOutput
@@ -90,10 +91,9 @@ class ModelRunner(Runner):
         meta = self.attention.build_metadata(query_lens, seq_lens, tables, self.kv_cache.block_size,
                                              device=self.device)
         if spec:
-            meta.logits_indices = torch.tensor(logits_rows, dtype=torch.long).to(self.device)
-        input_ids = torch.tensor(ids, dtype=torch.long).to(self.device, non_blocking=True)
-        pos = torch.tensor(positions, dtype=torch.long).to(self.device, non_blocking=True)
-        return input_ids, pos, meta
+            meta.logits_indices = long_tensor(logits_rows).to(self.device)
+        input_ids = long_tensor(ids).to(self.device, non_blocking=True)
+        return input_ids, long_tensor(positions).to(self.device, non_blocking=True), meta
 
     def _sync(self):
         if self.device.type == "cuda":

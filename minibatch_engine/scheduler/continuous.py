@@ -154,30 +154,30 @@ class ContinuousScheduler(Scheduler):
         """Decode tokens first, then the prompts (or chunks) of requests part-way
         through their prefill. A request that cannot get KV blocks takes them
         from a victim (by default the latest arrival)."""
-        for decode_pass in (True, False):
-            i = 0
-            while i < len(self.running):
-                req = self.running[i]
-                if req.is_decoding != decode_pass or id(req) in step.granted:
-                    i += 1
+        decodes = [r for r in self.running if r.is_decoding]
+        prompts = [r for r in self.running if not r.is_decoding] if len(decodes) < len(self.running) else []
+        preempted: set[int] = set()
+        for is_decode, group in ((True, decodes), (False, prompts)):
+            for req in group:
+                if id(req) in preempted:
                     continue
-                n = self._grant(req, step.budget)
-                spans = not decode_pass and n > 0 and \
-                    (n < req.num_tokens - req.num_computed_tokens or req.num_computed_tokens > 0)
-                if n == 0 or (spans and step.partial >= self.max_num_partial_prefills):
-                    i += 1
-                    continue
-                if self.kv_cache.allocate(req.request_id, req.num_computed_tokens + n, req.num_computed_tokens):
-                    step.grant(req, n, spans)
-                    i += 1
-                else:
+                while True:        # until req gets its blocks, or is itself the victim
+                    n = self._grant(req, step.budget)
+                    spans = n > 0 and not is_decode and \
+                        (n < req.num_tokens - req.num_computed_tokens or req.num_computed_tokens > 0)
+                    if n == 0 or (spans and step.partial >= self.max_num_partial_prefills):
+                        break
+                    if self.kv_cache.allocate(req.request_id, req.num_computed_tokens + n, req.num_computed_tokens):
+                        step.grant(req, n, spans)
+                        break
                     victim = self.preemptor.pick_victim(self.running)
-                    if self.running.index(victim) < i:
-                        i -= 1
+                    preempted.add(id(victim))
                     step.out.preempted.append(self._preempt(victim, req))
                     step.budget += step.granted.pop(id(victim), 0)
-        step.out.scheduled = [ScheduledRequest(r, step.granted[id(r)]) for r in self.running
-                              if id(r) in step.granted]
+                    if victim is req:
+                        break
+        granted = step.granted
+        step.out.scheduled = [ScheduledRequest(r, granted[id(r)]) for r in self.running if id(r) in granted]
 
     def _schedule_swapped(self, step: "_Step") -> None:
         """Swapped-out requests come back first, when memory allows (and nobody was
