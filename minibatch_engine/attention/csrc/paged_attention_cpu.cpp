@@ -88,8 +88,20 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   for (int64_t s = 0; s < S; ++s)
     for (int64_t t = qs[s]; t < qs[s + 1]; ++t) seq_of[t] = s;
   const acc_t scale = acc_t(1) / std::sqrt(static_cast<acc_t>(D));
-  auto slot_of = [&](int64_t s, int64_t p) {   // where key position p of sequence s lives
-    return paged ? bt[s * bt_stride + p / block_size] * block_size + p % block_size : qs[s] + p;
+  // where key positions start .. start + n - 1 of sequence s live, block by block
+  // (one division per block, not per key)
+  auto fill_slots = [&](int64_t s, int64_t start, int64_t n, int64_t* slot) {
+    if (!paged) {
+      for (int64_t j = 0; j < n; ++j) slot[j] = qs[s] + start + j;
+      return;
+    }
+    for (int64_t j = 0, p = start; j < n;) {
+      const int64_t off = p % block_size, base = bt[s * bt_stride + p / block_size] * block_size + off;
+      const int64_t run = std::min(block_size - off, n - j);
+      for (int64_t i = 0; i < run; ++i) slot[j + i] = base + i;
+      j += run;
+      p += run;
+    }
   };
   const acc_t lowest = std::numeric_limits<acc_t>::lowest();
 
@@ -98,7 +110,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   const int64_t chunks = std::min<int64_t>(T, 8 * at::get_num_threads());
   at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
     std::vector<acc_t> qf(Hq * D), acc(Hq * D), m(Hq), l(Hq), score(Hq * TILE);
-    std::vector<int64_t> slot(TILE);
+    std::vector<int64_t> slot(TILE), next_slot(TILE);
     for (int64_t c = chunk_begin; c < chunk_end; ++c)
     for (int64_t t = c; t < T; t += chunks) {
       const int64_t s = seq_of[t];
@@ -111,14 +123,19 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
         l[h] = 0;
       }
       std::fill(acc.begin(), acc.end(), acc_t(0));
+      fill_slots(s, 0, std::min(TILE, num_keys), next_slot.data());
       for (int64_t start = 0; start < num_keys; start += TILE) {
         const int64_t n = std::min(TILE, num_keys - start);
-        for (int64_t j = 0; j < n; ++j) slot[j] = slot_of(s, start + j);
-        // Hint the next tile's rows (every other row's start): hardware prefetchers stop at page
-        // edges, and a sequence's blocks lie anywhere in the pool.
-        for (int64_t p = start + TILE; p < std::min(start + 2 * TILE, num_keys); p += 2) {
-          __builtin_prefetch(kp + slot_of(s, p) * k_row);
-          __builtin_prefetch(vp + slot_of(s, p) * v_row);
+        std::swap(slot, next_slot);
+        // Find the next tile's slots now and hint its rows (every other row's start):
+        // hardware prefetchers stop at page edges, and a sequence's blocks lie anywhere in the pool.
+        const int64_t n_next = std::min(TILE, num_keys - start - n);
+        if (n_next > 0) {
+          fill_slots(s, start + n, n_next, next_slot.data());
+          for (int64_t j = 0; j < n_next; j += 2) {
+            __builtin_prefetch(kp + next_slot[j] * k_row);
+            __builtin_prefetch(vp + next_slot[j] * v_row);
+          }
         }
         // scores of every head for the tile's keys: each K row is read once, by all heads
         for (int64_t j = 0; j < n; ++j) {
