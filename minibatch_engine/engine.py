@@ -299,16 +299,11 @@ class Engine:
                 draft: tuple[float, float] = (0.0, 0.0)) -> None:
         """Append the step to the trace (and advance the simulated clock)."""
         first_block = self.kv_cache.first_block
-        lanes, prefill, useful, verified = [], 0, 0, []
-        for s in sched.scheduled:      # one pass: lanes and the step's token counts
-            is_prefill = s.is_prefill
-            lanes.append(LaneRecord(s.request_id, first_block(s.request_id),
-                                    "prefill" if is_prefill else "decode", s.num_tokens, s.start))
-            useful += s.num_tokens
-            if is_prefill:
-                prefill += s.num_tokens
-            if s.spec_token_ids:
-                verified.append(s)
+        lanes = [LaneRecord(s.request_id, first_block(s.request_id), "prefill" if s.is_prefill else "decode",
+                            s.num_tokens, s.start) for s in sched.scheduled]
+        useful = sum(lane.num_tokens for lane in lanes)
+        prefill = sum(lane.num_tokens for lane in lanes if lane.kind == "prefill")
+        verified = [s for s in sched.scheduled if s.spec_token_ids]
         lanes += [LaneRecord(p.owner.request_id, first_block(p.owner.request_id), "pad", p.num_tokens,
                              p.start_position) for p in sched.padding]
         sim_start = sim_end = None
