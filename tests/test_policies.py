@@ -133,7 +133,8 @@ def watch_priority(engine):
 @settings(max_examples=30, deadline=None)
 @given(reqs=st.lists(st.tuples(st.integers(1, 60), st.integers(1, 40), st.integers(0, 3),
                                st.floats(0, 0.2)), min_size=2, max_size=14),
-       blocks=st.integers(25, 60), seqs=st.integers(1, 5), aging=st.sampled_from([None, 0.01, 0.1]))  # 25 x 4 >= 60 + 40
+       # at least 25 blocks of 4: the largest request (60 + 40 tokens) always fits
+       blocks=st.integers(25, 60), seqs=st.integers(1, 5), aging=st.sampled_from([None, 0.01, 0.1]))
 def test_priority_admits_the_best_and_preempts_only_worse(reqs, blocks, seqs, aging):
     engine = sim_engine("priority", num_kv_blocks=blocks, max_num_seqs=seqs, priority_aging_s=aging,
                         max_num_batched_tokens=64)
