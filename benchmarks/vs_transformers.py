@@ -5,7 +5,8 @@
 is the same as ``python -m minibatch_engine bench --vs-transformers`` (see
 :mod:`minibatch_engine.vs_transformers` for what it runs). Defaults: the tiny
 Llama shape, 64 requests of the ``uniform`` workload (prompts 16-128, outputs
-8-256), batch 64, 2 threads, the sdpa backend. Needs ``transformers``.
+8-256), batch 64, 2 threads, the default attention backend (``auto``: the C++
+kernel on a CPU where it builds). Needs ``transformers``.
 """
 import sys
 

@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from ..runner.base import RunnerOutput
 
 
-@dataclass
+@dataclass(slots=True)
 class ScheduledRequest:
     """``num_tokens`` of ``request``'s tokens, from position ``start`` on.
 
@@ -46,12 +46,13 @@ class ScheduledRequest:
     spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self):
+        r = self.request
         if self.start < 0:
-            self.start = self.request.num_computed_tokens
-        end, known = self.start + self.num_tokens, self.request.num_tokens
+            self.start = r.num_computed_tokens
+        end, known = self.start + self.num_tokens, r.num_tokens
         self.samples = end >= known
-        if self.request.spec_token_ids:
-            self.spec_token_ids = list(self.request.spec_token_ids[:max(0, end - known)])
+        if r.spec_token_ids:
+            self.spec_token_ids = list(r.spec_token_ids[:max(0, end - known)])
 
     @property
     def num_spec_tokens(self) -> int:
