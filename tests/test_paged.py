@@ -190,3 +190,20 @@ def test_paged_memory_accounting():
     assert cache.used_bytes == 6 * cache.bytes_per_token       # 2 token places of internal fragmentation
     cache.free("a")
     assert cache.reserved_bytes == 0
+
+
+def test_first_block_names_where_a_request_starts():
+    """The trace's lane key: the first block (paged) or row (reserved), -1 without memory."""
+    from minibatch_engine.kv import ReservedKVCache
+    paged = PagedKVCache(get_preset("tiny"), num_blocks=8, block_size=4, watermark=0.0)
+    assert paged.first_block("a") == -1
+    assert paged.allocate("b", 3) and paged.allocate("a", 9)          # b takes block 0, a blocks 1-3
+    assert paged.first_block("a") == paged.block_table("a")[0] == 1
+    paged.free("a")
+    assert paged.first_block("a") == -1
+    reserved = ReservedKVCache(get_preset("tiny"), num_rows=3, max_model_len=16)
+    assert reserved.first_block("x") == -1
+    assert reserved.allocate("x", 5) and reserved.allocate("y", 5)
+    assert reserved.first_block("y") == reserved.block_table("y")[0] == 1
+    reserved.free("y")
+    assert reserved.first_block("y") == -1
