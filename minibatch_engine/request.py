@@ -38,7 +38,7 @@ class FinishReason(str, enum.Enum):
         return self.value
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Request:
     request_id: str
     prompt_token_ids: list[int]
@@ -64,6 +64,7 @@ class Request:
     first_scheduled_step: int | None = None
     token_steps: list[int] = field(default_factory=list)
     finish_step: int | None = None
+    _token_ids: list[int] = field(default_factory=list, init=False, repr=False)   # prompt + outputs
 
     def __post_init__(self):
         self._token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
