@@ -301,7 +301,7 @@ class Engine:
         first_block = self.kv_cache.first_block
         lanes = [LaneRecord(s.request_id, first_block(s.request_id), "prefill" if s.is_prefill else "decode",
                             s.num_tokens, s.start) for s in sched.scheduled]
-        useful = sum(lane.num_tokens for lane in lanes)
+        useful = sched.num_scheduled_tokens
         prefill = sum(lane.num_tokens for lane in lanes if lane.kind == "prefill")
         verified = [s for s in sched.scheduled if s.spec_token_ids]
         lanes += [LaneRecord(p.owner.request_id, first_block(p.owner.request_id), "pad", p.num_tokens,
@@ -322,7 +322,7 @@ class Engine:
             forward_s=result.forward_s, sample_s=result.sample_s,
             preempted=list(sched.preempted), swap_bytes=sched.swap_bytes,
             sim_start=sim_start, sim_end=sim_end,
-            spec_proposed=sum(len(s.spec_token_ids) for s in verified), num_verifications=len(verified),
+            spec_proposed=sched.num_spec_tokens, num_verifications=len(verified),
             spec_accepted=sum(len(result.sampled_token_ids[s.request_id]) - 1 for s in verified),
             draft_s=draft[0], draft_sim_s=draft[1] if sim_start is not None else None))
 

@@ -84,13 +84,13 @@ class Request:
     @property
     def num_tokens_with_spec(self) -> int:
         """Known tokens plus the proposed ones this step will verify."""
-        return len(self._token_ids) + len(self.spec_token_ids)
+        return self.num_tokens + len(self.spec_token_ids)
 
     @property
     def is_decoding(self) -> bool:
         """Prompt done and one token to compute: the state in which tokens can be proposed."""
-        computed = self.num_computed_tokens     # (attributes, not properties: this runs per request per step)
-        return computed >= len(self.prompt_token_ids) and len(self._token_ids) - computed == 1
+        return (self.num_computed_tokens >= self.num_prompt_tokens
+                and self.num_tokens - self.num_computed_tokens == 1)
 
     @property
     def all_token_ids(self) -> list[int]:

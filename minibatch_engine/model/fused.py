@@ -43,12 +43,14 @@ def _kernel(x: torch.Tensor):
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x / sqrt(mean(x**2) + eps) * weight`` over the last dim (half precision in float32)."""
+    """``x / sqrt(mean(x**2) + eps) * weight`` over the last dim (half precision in
+    float32, float64 in float64)."""
     k = _kernel(x)
     if k is not None and weight.dtype == x.dtype and not (torch.is_grad_enabled() and weight.requires_grad):
         return k.rms_norm(x, weight, eps)
-    var = x.float().pow(2).mean(-1, keepdim=True)
-    return (x.float() * torch.rsqrt(var + eps)).to(x.dtype) * weight
+    xf = x if x.dtype == torch.float64 else x.float()
+    var = xf.pow(2).mean(-1, keepdim=True)
+    return (xf * torch.rsqrt(var + eps)).to(x.dtype) * weight
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -43,9 +43,6 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, dtype: to
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
-apply_rope = fused.apply_rope   # x: [T, H, D]; cos, sin: [T, D] (fused on a CPU)
-
-
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -62,7 +59,7 @@ class Attention(nn.Module):
             [(self.num_heads + self.num_kv_heads) * self.head_dim, self.num_kv_heads * self.head_dim], dim=-1)
         qk = qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim)
         if rope is not None:   # q and k heads rotated together: one set of ops, not two
-            qk = apply_rope(qk, *rope)
+            qk = fused.apply_rope(qk, *rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
         v = v.view(T, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = kv_layer if kv_layer is not None else (None, None)

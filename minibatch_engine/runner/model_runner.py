@@ -63,7 +63,7 @@ class ModelRunner(Runner):
         positions: list[int] = []
         query_lens, seq_lens, tables = [], [], []
         logits_rows: list[int] = []
-        spec = any(s.spec_token_ids for s in sched.scheduled)
+        spec = sched.num_spec_tokens > 0
         block_table = self.kv_cache.block_table
         for s in sched.scheduled:
             n, start = s.num_tokens, s.start

@@ -21,8 +21,6 @@ from typing import TYPE_CHECKING, Iterable
 
 from ..request import FinishReason, Request, RequestStatus
 
-FINISHED = RequestStatus.FINISHED
-
 if TYPE_CHECKING:
     from ..runner.base import RunnerOutput
 
@@ -200,24 +198,23 @@ class Scheduler:
         """Advance every scheduled request by what the step computed and sampled;
         returns the requests (and forked samples) that finished in it."""
         finished: list[Request] = []
-        sampled, step, mark_computed = out.sampled_token_ids, sched.step, self.kv_cache.mark_computed
         for s in sched.scheduled:
             r = s.request
-            if r.status is FINISHED:      # ended from outside since it was scheduled
+            if r.is_finished:             # ended from outside since it was scheduled
                 continue
             if s.spec_token_ids:
-                self._verified(r, s, sampled[r.request_id])
+                self._verified(r, s, out.sampled_token_ids[r.request_id])
             else:
                 r.num_computed_tokens = s.start + s.num_tokens
-                mark_computed(r.request_id, r.all_token_ids, r.num_computed_tokens, s.start)
+                self.kv_cache.mark_computed(r.request_id, r.all_token_ids, r.num_computed_tokens, s.start)
             if not s.samples:
                 continue
             for child in s.forks:
                 self._fork(r, child)
-            for seq in ([r, *s.forks] if s.forks else (r,)):
-                for token in sampled[seq.request_id]:
-                    seq.append_token(token, step)
-                    if seq.status is FINISHED:
+            for seq in [r, *s.forks]:
+                for token in out.sampled_token_ids[seq.request_id]:
+                    seq.append_token(token, sched.step)
+                    if seq.is_finished:
                         finished.append(seq)
                         self._end(seq)
                         break

@@ -155,7 +155,7 @@ class ContinuousScheduler(Scheduler):
         through their prefill. A request that cannot get KV blocks takes them
         from a victim (by default the latest arrival)."""
         decodes = [r for r in self.running if r.is_decoding]
-        prompts = [r for r in self.running if not r.is_decoding] if len(decodes) < len(self.running) else []
+        prompts = [r for r in self.running if not r.is_decoding]
         preempted: set[int] = set()
         for is_decode, group in ((True, decodes), (False, prompts)):
             for req in group:

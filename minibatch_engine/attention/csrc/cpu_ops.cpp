@@ -6,7 +6,6 @@
 // over memory per op. Here each is one pass, parallel over rows. The arithmetic
 // is the unfused formula's, up to float rounding.
 #include <torch/extension.h>
-#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 
 #include <cmath>
