@@ -322,7 +322,7 @@ class Engine:
             forward_s=result.forward_s, sample_s=result.sample_s,
             preempted=list(sched.preempted), swap_bytes=sched.swap_bytes,
             sim_start=sim_start, sim_end=sim_end,
-            spec_proposed=sched.num_spec_tokens, num_verifications=len(verified),
+            spec_proposed=sum(s.num_spec_tokens for s in verified), num_verifications=len(verified),
             spec_accepted=sum(len(result.sampled_token_ids[s.request_id]) - 1 for s in verified),
             draft_s=draft[0], draft_sim_s=draft[1] if sim_start is not None else None))
 

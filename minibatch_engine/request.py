@@ -89,8 +89,8 @@ class Request:
     @property
     def is_decoding(self) -> bool:
         """Prompt done and one token to compute: the state in which tokens can be proposed."""
-        return (self.num_computed_tokens >= self.num_prompt_tokens
-                and self.num_tokens - self.num_computed_tokens == 1)
+        computed = self.num_computed_tokens     # (read for every running request every step)
+        return len(self._token_ids) - computed == 1 and computed >= len(self.prompt_token_ids)
 
     @property
     def all_token_ids(self) -> list[int]:
@@ -99,7 +99,7 @@ class Request:
 
     @property
     def is_finished(self) -> bool:
-        return self.status == RequestStatus.FINISHED
+        return self.status is RequestStatus.FINISHED
 
     @property
     def max_total_tokens(self) -> int:
@@ -125,7 +125,7 @@ class Request:
         p = self.sampling_params
         if token in p.stop_token_ids or (not p.ignore_eos and token == self.eos_token_id):
             self.finish(step, FinishReason.STOP)
-        elif self.num_output_tokens >= p.max_tokens:
+        elif len(self.output_token_ids) >= p.max_tokens:
             self.finish(step, FinishReason.LENGTH)
 
     def finish(self, step: int, reason: FinishReason) -> None:

@@ -92,11 +92,18 @@ def run_hf_continuous(hf, prompts, max_tokens, batch: int) -> list[list[int]]:
     return [results[i] for i in ids]
 
 
-def run_engine(model, prompts, max_tokens, batch: int, attention_backend: str) -> list[list[int]]:
+def engine_for(model, prompts, max_tokens, batch: int, attention_backend: str):
+    """This engine (continuous, paged, ``max_num_seqs=batch``) and the workload's
+    requests, added to it in order."""
     from .engine import Engine
     from .sampling import SamplingParams
     eng = Engine(model, max_num_seqs=batch, attention_backend=attention_backend)
     reqs = [eng.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True)) for p, m in zip(prompts, max_tokens)]
+    return eng, reqs
+
+
+def run_engine(model, prompts, max_tokens, batch: int, attention_backend: str) -> list[list[int]]:
+    eng, reqs = engine_for(model, prompts, max_tokens, batch, attention_backend)
     eng.run()
     return [list(r.output_token_ids) for r in reqs]
 
@@ -144,6 +151,10 @@ def compare(model="tiny", num_requests: int = 64, batch: int = 64, seed: int = 0
             results[name].seconds.append(dt)
             results[name].tokens = results[name].tokens or toks
             log(f"round {r + 1}/{rounds}  {name:<14} {dt:7.2f} s  {output_tokens / dt:9,.0f} tok/s")
+    # One more engine run, untimed by the rounds, with its attention timed from the
+    # inside: where the engine's step time goes (attention, rest of model, engine).
+    from .profiling import profile_run
+    shares = profile_run(engine_for(ours, prompts, max_tokens, batch, attention_backend)[0])
     ref = results["engine"].tokens
     summary = {
         "model": model if isinstance(model, str) else ours.config.name,
@@ -161,6 +172,7 @@ def compare(model="tiny", num_requests: int = 64, batch: int = 64, seed: int = 0
     eng = summary["systems"]["engine"]["tokens_per_second"]
     summary["engine_vs_hf_static"] = eng / summary["systems"]["hf-static"]["tokens_per_second"]
     summary["engine_vs_hf_continuous"] = eng / summary["systems"]["hf-continuous"]["tokens_per_second"]
+    summary["engine_time_shares"] = shares.as_dict()
     return summary
 
 
@@ -175,4 +187,10 @@ def format_comparison(s: dict) -> str:
         tps = r["tokens_per_second"]
         lines.append(f"  {name:<16}{tps:>10,.0f} tok/s{eng / tps:>11.2f}x"
                      f"{r['requests_token_equal_to_engine']:>10}/{s['num_requests']}")
+    t = s.get("engine_time_shares")
+    if t:
+        lines.append(f"  engine step time (one more run, attention timed inside): attention {t['attention']:.0%}, "
+                     f"rest of model {t['rest_of_model']:.0%}, engine {t['engine']:.1%}; "
+                     f"engine {t['engine_at_large_batch']:.1%} in the {t['large_batch_steps']} decode steps "
+                     f"of 48+ requests ({t['engine_us_per_request']:.1f} us per request)")
     return "\n".join(lines)

@@ -10,8 +10,9 @@ from torch import nn
 from minibatch_engine import Engine, SamplingParams
 from minibatch_engine.kv.pool import KVPool
 from minibatch_engine.model import build_model
-from minibatch_engine.runner.prepack import (prepack_available, prepack_linear_weights,
-                                             unpack_linear_weights)
+from minibatch_engine.runner import prepack
+from minibatch_engine.runner.prepack import (num_packed_layers, packing_pays, prepack_available,
+                                             prepack_linear_weights, unpack_linear_weights)
 
 needs_onednn = pytest.mark.skipif(not prepack_available(), reason="no oneDNN in this torch build")
 
@@ -21,7 +22,7 @@ needs_onednn = pytest.mark.skipif(not prepack_available(), reason="no oneDNN in 
 def test_packed_linear_equals_f_linear_and_follows_the_weight():
     g = torch.Generator().manual_seed(0)
     layer = nn.Linear(48, 80, bias=True)
-    assert prepack_linear_weights(layer) == 1
+    assert prepack_linear_weights(layer, only_where_faster=False) == 1
     x = torch.randn(7, 48, generator=g)
     torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
     layer.weight.mul_(-2)                      # changed in place: the next call repacks
@@ -54,12 +55,34 @@ def test_engine_tokens_are_the_same_with_and_without_packing():
 
     def run(pack):
         eng = Engine(model, max_num_seqs=4)
-        if not pack:
-            unpack_linear_weights(model)
+        unpack_linear_weights(model)
+        if pack:
+            assert prepack_linear_weights(model, only_where_faster=False) == num_packed_layers(model) > 0
         reqs = [eng.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts]
         eng.run()
         return [r.output_token_ids for r in reqs]
     assert run(True) == run(False)
+
+
+@needs_onednn
+def test_packing_only_where_it_measures_faster(monkeypatch):
+    """By default a layer is packed only where packing_pays measured it faster:
+    once per shape, dtype and thread count, remembered after."""
+    monkeypatch.setattr(prepack, "_PAYS", {})
+    wide, narrow = nn.Linear(64, 96), nn.Linear(32, 16)
+    model = nn.Sequential(wide, narrow)
+    decision = packing_pays(wide)
+    assert isinstance(decision, bool) and len(prepack._PAYS) == 1
+    key = (64, 96, torch.float32, torch.get_num_threads())
+    prepack._PAYS[key] = True                                       # pretend: packing wins here
+    prepack._PAYS[(32, 16, torch.float32, torch.get_num_threads())] = False     # and loses here
+    assert prepack_linear_weights(model) == 1 and num_packed_layers(model) == 1
+    assert "forward" in wide.__dict__ and "forward" not in narrow.__dict__
+    unpack_linear_weights(model)
+    assert num_packed_layers(model) == 0
+    assert prepack_linear_weights(model, only_where_faster=False) == 2      # forced: every layer
+    assert not packing_pays(nn.Linear(8, 4).double())               # float64: never (no oneDNN kernel)
+    assert len(prepack._PAYS) == 2                                  # nothing measured for it
 
 
 def test_large_pools_are_zero_and_writable():

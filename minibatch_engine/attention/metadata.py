@@ -77,12 +77,12 @@ def batch_fields(query_lens: Sequence[int], seq_lens: Sequence[int],
     recompute. Otherwise the new tokens of sequence ``s`` occupy positions
     ``seq_lens[s] - query_lens[s] ... seq_lens[s] - 1``.
     """
-    query_lens, seq_lens = [int(q) for q in query_lens], [int(n) for n in seq_lens]
+    query_lens, seq_lens = list(map(int, query_lens)), list(map(int, seq_lens))
     if len(query_lens) != len(seq_lens) or len(query_lens) == 0:
         raise ValueError("query_lens and seq_lens must be non-empty and of equal length")
-    for q, n in zip(query_lens, seq_lens):
-        if q <= 0 or n < q:
-            raise ValueError(f"bad lengths: query_len={q}, seq_len={n}")
+    if min(query_lens) <= 0 or any(map(int.__lt__, seq_lens, query_lens)):
+        q, n = next((q, n) for q, n in zip(query_lens, seq_lens) if q <= 0 or n < q)
+        raise ValueError(f"bad lengths: query_len={q}, seq_len={n}")
     S = len(query_lens)
     qstart_list = [0, *accumulate(query_lens)]
     ql, sl, qstart = long_tensor(query_lens), long_tensor(seq_lens), long_tensor(qstart_list)
@@ -95,9 +95,10 @@ def batch_fields(query_lens: Sequence[int], seq_lens: Sequence[int],
             raise ValueError("block_size must be positive with block tables")
         if len(block_tables) != S:
             raise ValueError(f"{len(block_tables)} block tables for {S} sequences")
-        width = max(len(b) for b in block_tables)
+        width = max(map(len, block_tables))
         slots: list[int] = []      # built in Python: a step has at most a few thousand new tokens
-        flat = array("q", bytes(8 * S * width))                # the tables, zero padded to [S, width]
+        flat: list[int] = []       # the tables, zero padded to [S, width], row after row
+        zeros = [0] * width
         for s, blocks in enumerate(block_tables):
             blocks = blocks if isinstance(blocks, list) else [int(x) for x in blocks]
             n, q = seq_lens[s], query_lens[s]
@@ -107,8 +108,9 @@ def batch_fields(query_lens: Sequence[int], seq_lens: Sequence[int],
                 slots.append(blocks[(n - 1) // block_size] * block_size + (n - 1) % block_size)
             else:
                 slots += [blocks[p // block_size] * block_size + p % block_size for p in range(n - q, n)]
-            flat[s * width:s * width + len(blocks)] = array("q", blocks)
-        bt = torch.frombuffer(flat, dtype=torch.long).view(S, width)
+            flat += blocks
+            flat += zeros[len(blocks):]
+        bt = long_tensor(flat).view(S, width)
         slot_mapping = long_tensor(slots)
     return dict(query_lens=ql, seq_lens=sl, query_start_loc=qstart, slot_mapping=slot_mapping,
                 block_tables=bt, block_size=block_size,

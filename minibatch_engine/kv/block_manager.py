@@ -161,7 +161,15 @@ class BlockManager:
         counts, and register blocks that became full in the prefix cache."""
         table = self.block_tables.get(request_id, [])
         bs = self.block_size
-        for i in range(prev_computed // bs, min(len(table), -(-num_computed // bs))):
+        i = prev_computed // bs
+        if num_computed - prev_computed == 1 and num_computed % bs and i < len(table):
+            b = self.blocks[table[i]]        # one token, its block not yet full (most decodes)
+            filled = num_computed - i * bs
+            if filled > b.num_filled:
+                self._used_tokens += filled - b.num_filled
+                b.num_filled = filled
+            return
+        for i in range(i, min(len(table), -(-num_computed // bs))):
             b = self.blocks[table[i]]
             filled = max(b.num_filled, min(bs, num_computed - i * bs))
             self._used_tokens += filled - b.num_filled

@@ -55,6 +55,11 @@ class PagedKVCache(PoolBacked):
         will be written, so any shared block there is first copied (copy-on-write).
         A new request commits its cached ``prefix`` blocks first."""
         m = self.manager
+        table = m.block_tables.get(request_id)
+        if table and not prefix.block_ids and num_tokens <= len(table) * self.block_size \
+                and num_computed_tokens // self.block_size == len(table) - 1 \
+                and m.blocks[table[-1]].ref_count == 1:
+            return True          # writes only into its own last block, which has room (most decodes)
         copies = m.num_blocks_to_copy(request_id, num_computed_tokens)
         if copies:
             if m.num_new_blocks(request_id, num_tokens) + copies > m.num_free_blocks - headroom:

@@ -22,7 +22,7 @@ class RunnerOutput:
 
     @property
     def num_sampled_tokens(self) -> int:
-        return sum(len(t) for t in self.sampled_token_ids.values())
+        return sum(map(len, self.sampled_token_ids.values()))
 
 
 def sampling_rows(sched: SchedulerOutput):

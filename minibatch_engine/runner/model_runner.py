@@ -15,8 +15,9 @@ with. It reads requests and never changes them.
 On CUDA with the ``"triton"`` backend, decode-only steps replay a CUDA graph
 (:mod:`.cuda_graphs`) instead of launching every kernel from Python; the
 switch is ``EngineConfig.cuda_graphs``. On a CPU the model's linear layers are
-switched to prepacked weights (:mod:`.prepack`): the runner changes how the
-model it is given multiplies, never what it computes beyond float rounding.
+switched to prepacked weights where that measures faster (:mod:`.prepack`):
+the runner changes how the model it is given multiplies, never what it
+computes beyond float rounding.
 """
 from __future__ import annotations
 
@@ -63,22 +64,22 @@ class ModelRunner(Runner):
         positions: list[int] = []
         query_lens, seq_lens, tables = [], [], []
         logits_rows: list[int] = []
-        spec = sched.num_spec_tokens > 0
+        spec = any(s.spec_token_ids for s in sched.scheduled)
         block_table = self.kv_cache.block_table
         for s in sched.scheduled:
-            n, start = s.num_tokens, s.start
+            n, start, r = s.num_tokens, s.start, s.request
             if spec:
                 end = len(ids) + n
                 logits_rows += range(end - 1 - s.num_spec_tokens, end)
             if n == 1 and not s.spec_token_ids:      # a decode: its one known token
-                ids.append(s.request.all_token_ids[start])
+                ids.append(r.all_token_ids[start])
                 positions.append(start)
             else:
                 ids += s.token_ids
                 positions += range(start, start + n)
             query_lens.append(n)
             seq_lens.append(start + n)
-            tables.append(block_table(s.request_id))
+            tables.append(block_table(r.request_id))
         null = self.kv_cache.pool.null_block
         for p in sched.padding:
             logits_rows.append(len(ids) + p.num_tokens - 1)

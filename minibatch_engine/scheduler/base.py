@@ -50,7 +50,7 @@ class ScheduledRequest:
         end, known = self.start + self.num_tokens, r.num_tokens
         self.samples = end >= known
         if r.spec_token_ids:
-            self.spec_token_ids = list(r.spec_token_ids[:max(0, end - known)])
+            self.spec_token_ids = r.spec_token_ids[:max(0, end - known)]
 
     @property
     def num_spec_tokens(self) -> int:
@@ -66,7 +66,7 @@ class ScheduledRequest:
     def is_prefill(self) -> bool:
         """True for prompt work (a whole prompt or a chunk of it) and for the
         multi-token recompute of a request resuming after preemption."""
-        return self.num_tokens - self.num_spec_tokens > 1 or self.start < self.request.num_prompt_tokens
+        return self.num_tokens - len(self.spec_token_ids) > 1 or self.start < len(self.request.prompt_token_ids)
 
     @property
     def request_id(self) -> str:
@@ -198,22 +198,23 @@ class Scheduler:
         """Advance every scheduled request by what the step computed and sampled;
         returns the requests (and forked samples) that finished in it."""
         finished: list[Request] = []
+        mark_computed, sampled, step = self.kv_cache.mark_computed, out.sampled_token_ids, sched.step
         for s in sched.scheduled:
             r = s.request
             if r.is_finished:             # ended from outside since it was scheduled
                 continue
             if s.spec_token_ids:
-                self._verified(r, s, out.sampled_token_ids[r.request_id])
+                self._verified(r, s, sampled[r.request_id])
             else:
                 r.num_computed_tokens = s.start + s.num_tokens
-                self.kv_cache.mark_computed(r.request_id, r.all_token_ids, r.num_computed_tokens, s.start)
+                mark_computed(r.request_id, r.all_token_ids, r.num_computed_tokens, s.start)
             if not s.samples:
                 continue
             for child in s.forks:
                 self._fork(r, child)
-            for seq in [r, *s.forks]:
-                for token in out.sampled_token_ids[seq.request_id]:
-                    seq.append_token(token, sched.step)
+            for seq in (r, *s.forks) if s.forks else (r,):
+                for token in sampled[seq.request_id]:
+                    seq.append_token(token, step)
                     if seq.is_finished:
                         finished.append(seq)
                         self._end(seq)

@@ -154,9 +154,12 @@ class ContinuousScheduler(Scheduler):
         """Decode tokens first, then the prompts (or chunks) of requests part-way
         through their prefill. A request that cannot get KV blocks takes them
         from a victim (by default the latest arrival)."""
-        decodes = [r for r in self.running if r.is_decoding]
-        prompts = [r for r in self.running if not r.is_decoding]
+        decodes: list[Request] = []
+        prompts: list[Request] = []
+        for r in self.running:
+            (decodes if r.is_decoding else prompts).append(r)
         preempted: set[int] = set()
+        allocate = self.kv_cache.allocate
         for is_decode, group in ((True, decodes), (False, prompts)):
             for req in group:
                 if id(req) in preempted:
@@ -167,7 +170,7 @@ class ContinuousScheduler(Scheduler):
                         (n < req.num_tokens - req.num_computed_tokens or req.num_computed_tokens > 0)
                     if n == 0 or (spans and step.partial >= self.max_num_partial_prefills):
                         break
-                    if self.kv_cache.allocate(req.request_id, req.num_computed_tokens + n, req.num_computed_tokens):
+                    if allocate(req.request_id, req.num_computed_tokens + n, req.num_computed_tokens):
                         step.grant(req, n, spans)
                         break
                     victim = self.preemptor.pick_victim(self.running)

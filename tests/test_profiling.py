@@ -1,0 +1,102 @@
+"""Where a run's time goes (minibatch_engine.profiling): the split adds up, the
+attention timer counts every call and leaves the backend as it was, and the
+engine's fast paths for decode steps keep the KV bookkeeping exact."""
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from minibatch_engine import Engine, EngineConfig, SamplingParams
+from minibatch_engine.profiling import profile_run, time_shares, timed_attention
+from minibatch_engine.trace import Trace
+from minibatch_engine.vs_transformers import format_comparison
+
+
+def _engine(model, n=6, max_num_seqs=4, **cfg):
+    eng = Engine(model, EngineConfig(max_num_seqs=max_num_seqs, max_model_len=64, **cfg))
+    for i in range(n):
+        eng.add_request(list(range(3, 9 + 3 * i)), SamplingParams(max_tokens=5 + i, ignore_eos=True))
+    return eng
+
+
+def test_the_split_adds_up_and_the_timer_counts_every_layer_call(tiny32):
+    eng = _engine(tiny32)
+    backend = eng.runner.attention
+    with timed_attention(eng) as spent:
+        eng.run()
+    assert "forward" not in vars(backend)                 # the backend is as it was
+    assert spent["calls"] == tiny32.config.num_layers * len(eng.trace)
+    shares = time_shares(eng.trace, spent["seconds"], min_running=2)
+    assert 0 < shares.attention < 1 and 0 < shares.rest_of_model < 1 and 0 < shares.engine < 1
+    assert math.isclose(shares.attention + shares.rest_of_model + shares.engine, 1.0)
+    big = [st for st in eng.trace.steps if st.prefill_tokens == 0 and st.num_running >= 2]
+    assert shares.big_steps == len(big) > 0 and shares.big_requests == sum(st.num_running for st in big)
+    assert 0 < shares.engine_at_large_batch < 1 and shares.engine_us_per_request > 0
+    d = shares.as_dict()
+    assert d["steps"] == len(eng.trace) and d["attention"] == shares.attention
+
+
+def test_only_decode_calls_count_when_asked(tiny32):
+    eng = _engine(tiny32)
+    with timed_attention(eng, only=lambda meta: meta.max_query_len == 1) as spent:
+        eng.run()
+    decode_steps = sum(st.prefill_tokens == 0 for st in eng.trace.steps)
+    assert 0 < decode_steps < len(eng.trace)
+    assert spent["calls"] == tiny32.config.num_layers * decode_steps
+    decode_context = sum(lane.start + lane.num_tokens for st in eng.trace.steps if st.prefill_tokens == 0
+                         for lane in st.lanes)
+    assert spent["context_tokens"] == tiny32.config.num_layers * decode_context
+
+
+def test_timers_nest(tiny32):
+    eng = _engine(tiny32)
+    with timed_attention(eng) as outer:
+        shares = profile_run(eng)
+    assert "forward" not in vars(eng.runner.attention)
+    assert outer["calls"] == tiny32.config.num_layers * shares.num_steps
+    assert shares.attention_s >= outer["seconds"] > 0      # the inner timer wraps the outer one
+
+
+def test_no_large_batch_steps_and_bad_inputs(tiny32):
+    shares = profile_run(_engine(tiny32, n=2))
+    assert shares.big_steps == 0 and math.isnan(shares.engine_at_large_batch)
+    with pytest.raises(ValueError, match="no steps"):
+        time_shares(Trace())
+    with pytest.raises(ValueError, match="no attention backend"):
+        with timed_attention(Engine(None, sim_gpu="H100-SXM", sim_model="llama-3-8b")):
+            pass
+
+
+def test_the_comparison_reports_the_engine_time_shares():
+    summary = {"model": "tiny", "workload": "uniform", "num_requests": 2, "output_tokens": 10, "batch": 2,
+               "threads": 2, "rounds": 1, "torch": "t", "transformers": "x",
+               "systems": {"engine": {"tokens_per_second": 100.0, "requests_token_equal_to_engine": 2}},
+               "engine_time_shares": {"attention": 0.21, "rest_of_model": 0.71, "engine": 0.08,
+                                      "large_batch_steps": 7, "engine_at_large_batch": 0.093,
+                                      "engine_us_per_request": 6.5}}
+    text = format_comparison(summary)
+    assert "attention 21%" in text and "engine 9.3% in the 7 decode steps" in text and "6.5 us" in text
+
+
+def test_decode_fast_paths_keep_the_bookkeeping_exact(tiny32):
+    """A decode that writes into its own last block takes no new block and no copy;
+    one into a block shared with a forked sample copies it first (copy-on-write)."""
+    eng = Engine(tiny32, EngineConfig(max_num_seqs=4, max_model_len=64, block_size=4))
+    alone = eng.add_request(list(range(3, 9)), SamplingParams(max_tokens=6, ignore_eos=True))   # 6 tokens
+    forked = eng.add_request(list(range(3, 10)), SamplingParams(max_tokens=6, n=2, temperature=0.9, seed=1,
+                                                                 ignore_eos=True))              # 7 tokens
+    m = eng.kv_cache.manager
+    eng.step()                                   # both prefill; the second forks into two samples
+    child = eng.samples_of(forked.request_id)[1]
+    shared = m.block_tables[forked.request_id][-1]
+    assert m.block_tables[child.request_id][-1] == shared and m.blocks[shared].ref_count == 2
+    table_before = list(m.block_tables[alone.request_id])
+    eng.step()                                   # decode: position 6 and 7 of 8 in their last blocks
+    assert m.block_tables[alone.request_id] == table_before
+    assert m.blocks[shared].ref_count == 1 and m.num_cow_copies == 1
+    assert m.block_tables[forked.request_id][-1] != m.block_tables[child.request_id][-1]
+    m.check_invariants()
+    eng.run()
+    m.check_invariants()
+    assert m.num_used_blocks == 0
