@@ -66,23 +66,26 @@ def test_engine_tokens_are_the_same_with_and_without_packing():
 
 @needs_onednn
 def test_packing_only_where_it_measures_faster(monkeypatch):
-    """By default a layer is packed only where packing_pays measured it faster:
-    once per shape, dtype and thread count, remembered after."""
-    monkeypatch.setattr(prepack, "_PAYS", {})
+    """By default the model's layers are packed only if packing measured faster for
+    the model as a whole; each weight shape is timed once and remembered."""
+    monkeypatch.setattr(prepack, "_TIMES", {})
+    threads = torch.get_num_threads()
     wide, narrow = nn.Linear(64, 96), nn.Linear(32, 16)
-    model = nn.Sequential(wide, narrow)
-    decision = packing_pays(wide)
-    assert isinstance(decision, bool) and len(prepack._PAYS) == 1
-    key = (64, 96, torch.float32, torch.get_num_threads())
-    prepack._PAYS[key] = True                                       # pretend: packing wins here
-    prepack._PAYS[(32, 16, torch.float32, torch.get_num_threads())] = False     # and loses here
-    assert prepack_linear_weights(model) == 1 and num_packed_layers(model) == 1
-    assert "forward" in wide.__dict__ and "forward" not in narrow.__dict__
+    model = nn.Sequential(wide, narrow, nn.Linear(64, 96))          # two layers of one shape
+    plain, packed = prepack.linear_times(wide)
+    assert plain > 0 and packed > 0 and list(prepack._TIMES) == [(64, 96, torch.float32, threads)]
+    assert prepack.linear_times(nn.Linear(64, 96)) == (plain, packed)      # remembered, not re-timed
+    prepack._TIMES[(64, 96, torch.float32, threads)] = (1.0, 0.5)          # pretend: packing wins here,
+    prepack._TIMES[(32, 16, torch.float32, threads)] = (1.0, 2.5)          # loses more here: 3.0 vs 3.5
+    assert not packing_pays(model) and prepack_linear_weights(model) == 0
+    prepack._TIMES[(32, 16, torch.float32, threads)] = (1.0, 1.9)          # now 3.0 vs 2.9: not by 5%
+    assert not packing_pays(model)
+    prepack._TIMES[(32, 16, torch.float32, threads)] = (1.0, 1.0)          # 3.0 vs 2.0: packs all
+    assert packing_pays(model) and prepack_linear_weights(model) == 3 == num_packed_layers(model)
     unpack_linear_weights(model)
     assert num_packed_layers(model) == 0
-    assert prepack_linear_weights(model, only_where_faster=False) == 2      # forced: every layer
-    assert not packing_pays(nn.Linear(8, 4).double())               # float64: never (no oneDNN kernel)
-    assert len(prepack._PAYS) == 2                                  # nothing measured for it
+    assert prepack_linear_weights(model.double(), only_where_faster=False) == 3     # forced: every layer
+    assert not packing_pays(model)                      # float64: never (oneDNN has no float64 kernels)
 
 
 def test_large_pools_are_zero_and_writable():
