@@ -82,8 +82,11 @@ $(LAB_STAMP): $(STAMP)
 lab: $(LAB_STAMP)  ## JupyterLab on chapters/ (LAB_ARGS="--port 8889 --no-browser"; root adds --allow-root)
 	$(VENV)/bin/jupyter lab $(LAB_ROOT) $(LAB_ARGS) chapters/
 
-gpu-check: $(STAMP)  ## CUDA tests + decode/prefill measurements into gpu_check.json (needs a GPU; < 5 min)
-	$(PY) tools/gpu_check.py
+# gpu-check installs nothing: it runs with .venv's Python when there is one, else
+# with python3, which must have a CUDA build of torch (GPU_PY=... picks another).
+GPU_PY ?= $(if $(wildcard $(PY)),$(PY),python3)
+gpu-check:  ## CUDA tests + decode/prefill measurements into gpu_check.json (needs a GPU; < 5 min)
+	$(GPU_PY) tools/gpu_check.py
 
 clean:  ## remove _build (.venv, .venv-setupcheck and node_modules stay)
 	rm -rf _build

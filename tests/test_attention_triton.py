@@ -22,6 +22,7 @@ from minibatch_engine.attention.triton_kernel import paged_attention_kernel  # n
 from .attention_cases import assert_matches_reference, random_batch  # noqa: E402
 
 DEVICE = "cuda" if ON_CUDA else "cpu"
+pytestmark = pytest.mark.triton     # `make gpu-check` runs these on the GPU too (-m "cuda or triton")
 if not ON_CUDA and type(paged_attention_kernel).__name__ != "InterpretedFunction":
     pytest.skip("the kernel was imported before TRITON_INTERPRET=1 was set: run this module "
                 "in its own process", allow_module_level=True)
