@@ -194,8 +194,9 @@ def triton_check(dtype=torch.bfloat16, device: str = "cuda", seed: int = 0) -> d
     24-token chunk after 40 cached tokens, 8 query heads on 2 KV heads, blocks of
     16 in shuffled order. Returns the largest absolute difference and whether it
     is within ``atol`` (bfloat16 keeps about 3 significant digits). The unit
-    tests run it in float32 through Triton's interpreter (which mishandles
-    bfloat16 here); on the GPU it runs in bfloat16, the dtype measured below."""
+    tests run it in float32 through Triton's interpreter, whose ``tl.dot`` gives
+    wrong results for bfloat16 inputs (triton 3.9); on the GPU it runs in
+    bfloat16, the dtype measured below."""
     from minibatch_engine.attention import get_attention_backend
     g = torch.Generator().manual_seed(seed)
     hq, hkv, d, bs, atol = 8, 2, 64, 16, 3e-2
