@@ -9,13 +9,14 @@ measured on, packing made the whole workload of chapter 10 about 15% faster;
 on an Intel Xeon with AVX-512, plain ``F.linear`` was about 13% faster instead.
 So the engine measures before it packs (:func:`packing_pays`: each weight
 shape timed once, the way ``torch.backends.cudnn.benchmark`` picks a
-convolution) and packs the model's weights only if that is faster. The greedy tokens stay equal
-either way (chapter 10's ablation and ``benchmarks/vs_transformers.py`` check
-them). Inductor packs with ``torch._inductor.config.freezing``; IPEX and vLLM's
-CPU backend pack weights too.
+convolution) and packs the model's weights only if that is at least 5% faster.
+The greedy tokens stay equal either way (chapter 10's ablation and
+``benchmarks/vs_transformers.py`` check them). Inductor packs with
+``torch._inductor.config.freezing``; IPEX and vLLM's CPU backend pack weights
+too.
 
-:func:`prepack_linear_weights` gives an ``nn.Linear`` a packed copy of its
-weight and a forward that uses it. The copy follows the weight: if the weight
+:func:`prepack_linear_weights` gives the ``nn.Linear`` layers of a model a
+packed copy of their weights and a forward that uses it. The copy follows the weight: if the weight
 is changed in place (a checkpoint loaded into the model, ``copy_``), its
 version counter moves and the next forward packs again. Only float32 and
 bfloat16 CPU weights are packed (oneDNN has no float64 kernels); anything else
