@@ -34,6 +34,7 @@ class TimeShares:
     big_step_s: float
     big_engine_s: float
     big_requests: int        # requests summed over those steps
+    min_running: int = 48    # what counts as a large batch
 
     @property
     def attention(self) -> float:
@@ -60,7 +61,8 @@ class TimeShares:
     def as_dict(self) -> dict:
         return {"steps": self.num_steps, "step_seconds": self.step_s, "attention": self.attention,
                 "rest_of_model": self.rest_of_model, "engine": self.engine,
-                "large_batch_steps": self.big_steps, "engine_at_large_batch": self.engine_at_large_batch,
+                "large_batch_min_running": self.min_running, "large_batch_steps": self.big_steps,
+                "engine_at_large_batch": self.engine_at_large_batch,
                 "engine_us_per_request": self.engine_us_per_request}
 
 
@@ -111,7 +113,7 @@ def time_shares(trace, attention_s: float = float("nan"), min_running: int = 48)
         model_s=sum(st.forward_s + st.sample_s for st in steps), attention_s=attention_s,
         big_steps=len(big), big_step_s=big_step,
         big_engine_s=big_step - sum(st.forward_s + st.sample_s for st in big),
-        big_requests=sum(st.num_running for st in big))
+        big_requests=sum(st.num_running for st in big), min_running=min_running)
 
 
 def profile_run(engine) -> TimeShares:

@@ -192,5 +192,6 @@ def format_comparison(s: dict) -> str:
         lines.append(f"  engine step time (one more run, attention timed inside): attention {t['attention']:.0%}, "
                      f"rest of model {t['rest_of_model']:.0%}, engine {t['engine']:.1%}; "
                      f"engine {t['engine_at_large_batch']:.1%} in the {t['large_batch_steps']} decode steps "
-                     f"of 48+ requests ({t['engine_us_per_request']:.1f} us per request)")
+                     f"of {t['large_batch_min_running']}+ requests ({t['engine_us_per_request']:.1f} us "
+                     "per request)")
     return "\n".join(lines)

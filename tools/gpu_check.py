@@ -202,15 +202,14 @@ def triton_check(dtype=torch.bfloat16, device: str = "cuda", seed: int = 0) -> d
     hq, hkv, d, bs, atol = 8, 2, 64, 16, 3e-2
     query_lens, seq_lens = [1, 1, 1, 24], [37, 130, 5, 64]
     need = [-(-n // bs) for n in seq_lens]
-    order = torch.randperm(sum(need) + 4, generator=g).tolist()
+    num_blocks = sum(need) + 4                     # a few blocks no sequence uses
+    order = torch.randperm(num_blocks, generator=g).tolist()
     tables, k0 = [], 0
     for n in need:
         tables.append(order[k0:k0 + n])
         k0 += n
-    slots = (sum(need) + 4) * bs
-    t = sum(query_lens)
-    q, k, v = (torch.randn(t, h, d, generator=g) for h in (hq, hkv, hkv))
-    k_pool, v_pool = (torch.randn(slots, hkv, d, generator=g) for _ in "kv")
+    q, k, v = (torch.randn(sum(query_lens), h, d, generator=g) for h in (hq, hkv, hkv))
+    k_pool, v_pool = (torch.randn(num_blocks * bs, hkv, d, generator=g) for _ in "kv")
     outs = {}
     for name, run_dtype in (("triton", dtype), ("reference", torch.float32)):
         backend = get_attention_backend(name, device)
@@ -244,15 +243,21 @@ def main() -> int:
                                                         "hbm_bandwidth": gpu.hbm_bandwidth, "source": gpu.source}}
     out = Path(args.out)
 
-    def part(name, fn):
-        """Run one part; keep its result or its error; write the file so far."""
+    def attempt(fn, **labels) -> dict:
+        """A part's result, or its error: a failed part must not lose the others."""
         try:
-            report[name] = fn()
-        except Exception as e:             # a failed part must not lose the others
-            report[name] = {"error": f"{type(e).__name__}: {e}"}
-        print(f"{name}:", report[name])
+            return fn()
+        except Exception as e:
+            return {**labels, "error": f"{type(e).__name__}: {e}"}
+
+    def save() -> None:
         report["seconds"] = round(time.perf_counter() - t_start, 1)
         out.write_text(json.dumps(report, indent=2) + "\n")
+
+    def part(name, fn):
+        report[name] = attempt(fn)
+        print(f"{name}:", report[name])
+        save()
 
     if not args.skip_tests:
         part("cuda_tests", cuda_tests)
@@ -267,13 +272,11 @@ def main() -> int:
     report["decode"] = []
     for batch in (1, 32, 256):
         for graphs in (True, False):
-            try:
-                r = decode_run(model, batch, graphs, cost, gpu.hbm_bandwidth if gpu else None)
-            except Exception as e:
-                r = {"batch": batch, "cuda_graphs": graphs, "error": f"{type(e).__name__}: {e}"}
+            r = attempt(lambda: decode_run(model, batch, graphs, cost, gpu.hbm_bandwidth if gpu else None),
+                        batch=batch, cuda_graphs=graphs)
             print("decode:", r)
             report["decode"].append(r)
-            out.write_text(json.dumps(report, indent=2) + "\n")
+            save()
     part("prefill", lambda: prefill_run(model, cost, gpu.peak_flops if gpu else None))
     print(f"wrote {out} ({report['seconds']} s)")
     tests = report.get("cuda_tests", {})

@@ -16,9 +16,9 @@ The greedy tokens stay equal either way (chapter 10's ablation and
 too.
 
 :func:`prepack_linear_weights` gives the ``nn.Linear`` layers of a model a
-packed copy of their weights and a forward that uses it. The copy follows the weight: if the weight
-is changed in place (a checkpoint loaded into the model, ``copy_``), its
-version counter moves and the next forward packs again. Only float32 and
+packed copy of their weights and a forward that uses it. The copy follows the
+weight: if the weight is changed in place (a checkpoint loaded into the model,
+``copy_``), its version counter moves and the next forward packs again. Only float32 and
 bfloat16 CPU weights are packed (oneDNN has no float64 kernels); anything else
 keeps the plain ``F.linear``. :func:`unpack_linear_weights` undoes it.
 """

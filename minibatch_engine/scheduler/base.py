@@ -212,7 +212,7 @@ class Scheduler:
                 continue
             for child in s.forks:
                 self._fork(r, child)
-            for seq in (r, *s.forks) if s.forks else (r,):
+            for seq in (r, *s.forks):
                 for token in sampled[seq.request_id]:
                     seq.append_token(token, step)
                     if seq.is_finished:
