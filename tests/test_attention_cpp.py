@@ -28,6 +28,24 @@ def test_long_contexts_many_tiles_and_big_blocks(dtype):
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_simd_path_matches_the_reference(dtype, head_dim):
+    """Head sizes 64 and 128 in float32/float64 take the kernel's explicit-SIMD
+    passes (a few heads per pass, their rows in registers). Head counts that leave
+    a remainder pass (6 heads: passes of 4 or 2, then single heads), GQA 1/2/3,
+    blocks of 1/16/32, decodes and prefill chunks, contexts of several tiles."""
+    backend = get_attention_backend("cpp")
+    gen = torch.Generator().manual_seed(11)
+    for num_heads, num_kv_heads in ((6, 6), (6, 3), (6, 2), (4, 2)):
+        for block_size in (1, 16, 32):
+            case = random_batch(gen, "mixed", block_size, num_heads, num_kv_heads, head_dim, dtype,
+                                num_seqs=4, max_len=100)
+            assert_matches_reference(backend, case)
+    assert_matches_reference(backend, case, cache=False)
+
+
+@needs_kernel
 def test_half_precision_runs_and_is_close():
     backend = get_attention_backend("cpp")
     gen = torch.Generator().manual_seed(2)

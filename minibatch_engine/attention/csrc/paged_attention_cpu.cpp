@@ -19,6 +19,16 @@
 // are the step's own new tokens: row query_start[s] + p of k and v. Accumulation is in float32 (float64 for float64
 // inputs, so the float64 checks stay exact).
 //
+// For float32 and float64 caches with a head size of 64 or 128 (the common ones), the
+// two inner loops are written with explicit SIMD vectors (GCC/Clang vector types):
+// the passes below keep a few heads' query or accumulator rows in registers while
+// they walk the tile's K or V rows front to back. Left to itself, the compiler kept
+// the accumulators in memory and summed each dot product's lanes one by one (and,
+// with the loops reordered, vectorised the loop over keys, with gathers). On an
+// AVX-512 CPU the explicit passes took about half the time per key on K/V already
+// in cache, and made the workload's decode attention about an eighth faster. Other
+// dtypes and head sizes take the plain loops: the same algorithm.
+//
 // Compiled with -ffast-math (compile step only: the library does not link the
 // runtime that would flush denormals for the whole process) so that exp() is
 // vectorised; the code never relies on infinities (the running max starts at the
@@ -29,12 +39,14 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
 
-constexpr int64_t TILE = 128;  // key positions scored before each rescale of acc
+constexpr int64_t TILE = 32;   // key positions scored before each rescale of acc
 constexpr int LANES = 16;     // independent partial sums, so the compiler can vectorise the dot product
 
 template <int64_t DC, typename acc_t, typename scalar_t>
@@ -50,12 +62,97 @@ inline acc_t dot(const acc_t* q, const scalar_t* k, int64_t D_runtime) {
   return s;
 }
 
+// ---- Explicit SIMD: float32 / float64 caches, a compile-time head size ----------------
+
+#if defined(__AVX512F__)
+constexpr int VEC_BYTES = 64, VEC_REGS = 32;   // one zmm register per vector
+#else
+constexpr int VEC_BYTES = 32, VEC_REGS = 16;   // AVX2 ymm (elsewhere the compiler splits them)
+#endif
+
+template <typename T>
+struct Simd {
+  typedef T vec __attribute__((vector_size(VEC_BYTES), aligned(sizeof(T))));   // unaligned loads allowed
+  typedef T vec16 __attribute__((vector_size(16), aligned(sizeof(T))));   // a 16-byte piece
+  static constexpr int64_t width = VEC_BYTES / sizeof(T);
+  // heads per pass: their query (or accumulator) rows fill half the vector registers
+  template <int64_t DC>
+  static constexpr int64_t heads_per_pass =
+      std::max<int64_t>(1, VEC_REGS / 2 / std::max<int64_t>(1, DC / width));
+};
+
+// the sum of a vector's lanes: halve it to 16 bytes with vector adds, then 2 or 4 scalar adds
+template <typename T>
+inline T lane_sum(const typename Simd<T>::vec& v) {
+  typename Simd<T>::vec16 acc, part;
+  std::memcpy(&acc, &v, 16);
+  for (int b = 16; b < VEC_BYTES; b += 16) {
+    std::memcpy(&part, reinterpret_cast<const char*>(&v) + b, 16);
+    acc += part;
+  }
+  T s = 0;
+  for (int l = 0; l < int(16 / sizeof(T)); ++l) s += acc[l];
+  return s;
+}
+
+// One pass over a tile of n keys for the NH heads h0 .. h0 + NH - 1, their queries in
+// registers: score[h][j] = q[h] . K[slot[j]][h / G]. Each K row is read once per pass.
+template <int64_t DC, int64_t NH, typename T>
+inline void scores_pass(T* score, const T* q, const T* k, int64_t k_row, const int64_t* slot,
+                        int64_t n, int64_t h0, int64_t G) {
+  using vec = typename Simd<T>::vec;
+  constexpr int64_t NV = DC / Simd<T>::width;
+  vec qv[NH][NV];
+  int64_t kv_offset[NH];
+  for (int64_t h = 0; h < NH; ++h) {
+    kv_offset[h] = ((h0 + h) / G) * DC;
+    for (int64_t i = 0; i < NV; ++i) qv[h][i] = reinterpret_cast<const vec*>(q + (h0 + h) * DC)[i];
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const T* krow = k + slot[j] * k_row;
+    for (int64_t h = 0; h < NH; ++h) {
+      const vec* kr = reinterpret_cast<const vec*>(krow + kv_offset[h]);
+      vec p = qv[h][0] * kr[0];
+      for (int64_t i = 1; i < NV; ++i) p += qv[h][i] * kr[i];
+      score[(h0 + h) * TILE + j] = lane_sum<T>(p);
+    }
+  }
+}
+
+// The same pass for the weighted sum, the heads' accumulators in registers:
+// acc[h] += sum_j score[h][j] * V[slot[j]][h / G].
+template <int64_t DC, int64_t NH, typename T>
+inline void weighted_sum_pass(T* acc, const T* score, const T* v, int64_t v_row, const int64_t* slot,
+                              int64_t n, int64_t h0, int64_t G) {
+  using vec = typename Simd<T>::vec;
+  constexpr int64_t NV = DC / Simd<T>::width;
+  vec a[NH][NV];
+  int64_t kv_offset[NH];
+  for (int64_t h = 0; h < NH; ++h) {
+    kv_offset[h] = ((h0 + h) / G) * DC;
+    for (int64_t i = 0; i < NV; ++i) a[h][i] = reinterpret_cast<const vec*>(acc + (h0 + h) * DC)[i];
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    const T* vrow = v + slot[j] * v_row;
+    for (int64_t h = 0; h < NH; ++h) {
+      const vec* vr = reinterpret_cast<const vec*>(vrow + kv_offset[h]);
+      const T w = score[(h0 + h) * TILE + j];
+      for (int64_t i = 0; i < NV; ++i) a[h][i] += w * vr[i];
+    }
+  }
+  for (int64_t h = 0; h < NH; ++h)
+    for (int64_t i = 0; i < NV; ++i) reinterpret_cast<vec*>(acc + (h0 + h) * DC)[i] = a[h][i];
+}
+
 template <typename scalar_t, int64_t DC>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
             const at::Tensor& v_cache, const at::Tensor& slot_mapping, at::Tensor& out,
             const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start,
             int64_t block_size) {
   using acc_t = at::opmath_type<scalar_t>;
+  // the explicit-SIMD passes where the cache holds the accumulation type (float32, float64)
+  constexpr bool simd = std::is_same_v<acc_t, scalar_t> && DC > 0 && DC % Simd<acc_t>::width == 0;
+  constexpr int64_t NH = Simd<acc_t>::template heads_per_pass<DC>;
   const bool paged = k_cache.numel() > 0;
   const int64_t T = q.size(0), Hq = q.size(1), D = DC > 0 ? DC : q.size(2), Hkv = k.size(1), G = Hq / Hkv;
   const int64_t S = seq_lens.size(0), row = Hkv * D;
@@ -137,10 +234,20 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
             __builtin_prefetch(vp + next_slot[j] * v_row);
           }
         }
-        // scores of every head for the tile's keys: each K row is read once, by all heads
-        for (int64_t j = 0; j < n; ++j) {
-          const scalar_t* krow = kp + slot[j] * k_row;
-          for (int64_t h = 0; h < Hq; ++h) score[h * TILE + j] = dot<DC>(&qf[h * D], krow + (h / G) * D, D);
+        // scores of every head for the tile's keys: each K row is read once by all heads
+        // (by each pass of NH heads, on the SIMD path)
+        if constexpr (simd) {
+          int64_t h0 = 0;
+          for (; h0 + NH <= Hq; h0 += NH)
+            scores_pass<DC, NH>(score.data(), qf.data(), kp, k_row, slot.data(), n, h0, G);
+          for (; h0 < Hq; ++h0)
+            scores_pass<DC, 1>(score.data(), qf.data(), kp, k_row, slot.data(), n, h0, G);
+        } else {
+          for (int64_t j = 0; j < n; ++j) {
+            const scalar_t* krow = kp + slot[j] * k_row;
+            for (int64_t h = 0; h < Hq; ++h)
+              score[h * TILE + j] = dot<DC>(&qf[h * D], krow + (h / G) * D, D);
+          }
         }
         for (int64_t h = 0; h < Hq; ++h) {
           acc_t* sc = &score[h * TILE];
@@ -158,14 +265,22 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
           acc_t* a = &acc[h * D];
           for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
         }
-        // then every head's weighted sum of the tile's V rows, each row read once
-        for (int64_t j = 0; j < n; ++j) {
-          const scalar_t* vrow = vp + slot[j] * v_row;
-          for (int64_t h = 0; h < Hq; ++h) {
-            const acc_t w = score[h * TILE + j];
-            const scalar_t* vr = vrow + (h / G) * D;
-            acc_t* a = &acc[h * D];
-            for (int64_t d = 0; d < D; ++d) a[d] += w * static_cast<acc_t>(vr[d]);
+        // then every head's weighted sum of the tile's V rows, each row read once (per pass)
+        if constexpr (simd) {
+          int64_t h0 = 0;
+          for (; h0 + NH <= Hq; h0 += NH)
+            weighted_sum_pass<DC, NH>(acc.data(), score.data(), vp, v_row, slot.data(), n, h0, G);
+          for (; h0 < Hq; ++h0)
+            weighted_sum_pass<DC, 1>(acc.data(), score.data(), vp, v_row, slot.data(), n, h0, G);
+        } else {
+          for (int64_t j = 0; j < n; ++j) {
+            const scalar_t* vrow = vp + slot[j] * v_row;
+            for (int64_t h = 0; h < Hq; ++h) {
+              const acc_t w = score[h * TILE + j];
+              const scalar_t* vr = vrow + (h / G) * D;
+              acc_t* a = &acc[h * D];
+              for (int64_t d = 0; d < D; ++d) a[d] += w * static_cast<acc_t>(vr[d]);
+            }
           }
         }
       }
