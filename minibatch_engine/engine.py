@@ -299,11 +299,17 @@ class Engine:
                 draft: tuple[float, float] = (0.0, 0.0)) -> None:
         """Append the step to the trace (and advance the simulated clock)."""
         first_block = self.kv_cache.first_block
-        lanes = [LaneRecord(s.request_id, first_block(s.request_id), "prefill" if s.is_prefill else "decode",
-                            s.num_tokens, s.start) for s in sched.scheduled]
-        useful = sched.num_scheduled_tokens
-        prefill = sum(lane.num_tokens for lane in lanes if lane.kind == "prefill")
-        verified = [s for s in sched.scheduled if s.spec_token_ids]
+        lanes, useful, prefill, verified = [], 0, 0, []     # one pass: this runs every step
+        for s in sched.scheduled:
+            rid, n = s.request.request_id, s.num_tokens
+            useful += n
+            if s.spec_token_ids:
+                verified.append(s)
+            if s.is_prefill:
+                prefill += n
+                lanes.append(LaneRecord(rid, first_block(rid), "prefill", n, s.start))
+            else:
+                lanes.append(LaneRecord(rid, first_block(rid), "decode", n, s.start))
         lanes += [LaneRecord(p.owner.request_id, first_block(p.owner.request_id), "pad", p.num_tokens,
                              p.start_position) for p in sched.padding]
         sim_start = sim_end = None

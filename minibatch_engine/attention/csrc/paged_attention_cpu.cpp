@@ -81,7 +81,8 @@ struct Simd {
       std::max<int64_t>(1, VEC_REGS / 2 / std::max<int64_t>(1, DC / width));
 };
 
-// the sum of a vector's lanes: halve it to 16 bytes with vector adds, then 2 or 4 scalar adds
+// the sum of a vector's lanes: its 16-byte pieces folded into one with vector adds,
+// then 4 (float32) or 2 (float64) scalar adds
 template <typename T>
 inline T lane_sum(const typename Simd<T>::vec& v) {
   typename Simd<T>::vec16 acc, part;
