@@ -96,6 +96,19 @@ inline T lane_sum(const typename Simd<T>::vec& v) {
   return s;
 }
 
+// A pass's registers: the rows of heads h0 .. h0 + NH - 1 (of a [Hq, DC] array),
+// and where each head's KV head starts in a K or V row.
+template <int64_t DC, int64_t NH, typename T>
+inline void load_pass(typename Simd<T>::vec (&rows)[NH][DC / Simd<T>::width],
+                      int64_t (&kv_offset)[NH], const T* src, int64_t h0, int64_t G) {
+  using vec = typename Simd<T>::vec;
+  for (int64_t h = 0; h < NH; ++h) {
+    kv_offset[h] = ((h0 + h) / G) * DC;
+    for (int64_t i = 0; i < DC / Simd<T>::width; ++i)
+      rows[h][i] = reinterpret_cast<const vec*>(src + (h0 + h) * DC)[i];
+  }
+}
+
 // One pass over a tile of n keys for the NH heads h0 .. h0 + NH - 1, their queries in
 // registers: score[h][j] = q[h] . K[slot[j]][h / G]. Each K row is read once per pass.
 template <int64_t DC, int64_t NH, typename T>
@@ -105,10 +118,7 @@ inline void scores_pass(T* score, const T* q, const T* k, int64_t k_row, const i
   constexpr int64_t NV = DC / Simd<T>::width;
   vec qv[NH][NV];
   int64_t kv_offset[NH];
-  for (int64_t h = 0; h < NH; ++h) {
-    kv_offset[h] = ((h0 + h) / G) * DC;
-    for (int64_t i = 0; i < NV; ++i) qv[h][i] = reinterpret_cast<const vec*>(q + (h0 + h) * DC)[i];
-  }
+  load_pass<DC, NH>(qv, kv_offset, q, h0, G);
   for (int64_t j = 0; j < n; ++j) {
     const T* krow = k + slot[j] * k_row;
     for (int64_t h = 0; h < NH; ++h) {
@@ -129,10 +139,7 @@ inline void weighted_sum_pass(T* acc, const T* score, const T* v, int64_t v_row,
   constexpr int64_t NV = DC / Simd<T>::width;
   vec a[NH][NV];
   int64_t kv_offset[NH];
-  for (int64_t h = 0; h < NH; ++h) {
-    kv_offset[h] = ((h0 + h) / G) * DC;
-    for (int64_t i = 0; i < NV; ++i) a[h][i] = reinterpret_cast<const vec*>(acc + (h0 + h) * DC)[i];
-  }
+  load_pass<DC, NH>(a, kv_offset, acc, h0, G);
   for (int64_t j = 0; j < n; ++j) {
     const T* vrow = v + slot[j] * v_row;
     for (int64_t h = 0; h < NH; ++h) {
