@@ -45,6 +45,7 @@ from .inputs import as_token_ids
 from .metrics import RequestTiming
 from .request import FinishReason, Request
 from .sampling import SamplingParams
+from .trace import Trace
 
 
 @dataclass
@@ -81,16 +82,26 @@ class AsyncLLM:
     ``model``, ``tokenizer``, ``device``, ``dtype``, ``seed`` and the engine
     options are :class:`~minibatch_engine.llm.LLM`'s. ``step_in_thread=False``
     runs each step on the event loop itself (yielding between steps): simpler,
-    but the loop cannot deliver tokens or take requests during a step."""
+    but the loop cannot deliver tokens or take requests during a step.
+
+    ``history``: ``None`` (the default) keeps every request and every step in
+    ``self.engine`` for analysis afterwards, as the book's chapters do. A server
+    that runs for days sets a number: the engine's trace then keeps about the
+    last ``history`` steps, and each request is forgotten once its stream has
+    ended, so memory stays bounded however many requests pass through."""
 
     def __init__(self, model="tiny", tokenizer=None, device: str = "auto", dtype: str = "float32",
-                 seed: int = 0, step_in_thread: bool = True, **engine_options):
+                 seed: int = 0, step_in_thread: bool = True, history: int | None = None,
+                 **engine_options):
         from .model.registry import resolve_model, tokenizer_for
         config = EngineConfig().with_overrides(**engine_options)
         self.model = resolve_model(model, device=device, dtype=dtype, seed=seed)
         self.tokenizer = tokenizer if tokenizer is not None else tokenizer_for(getattr(self.model, "source", None))
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         self.engine = Engine(self.model, config, eos_token_id=eos)
+        self.history = history
+        if history is not None:
+            self.engine.trace = Trace(max_steps=history)   # checks the value
         self.step_in_thread = step_in_thread
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._streams: dict[str, _Stream] = {}
@@ -203,6 +214,8 @@ class AsyncLLM:
             self._inbox = [x for x in self._inbox if x[0] != rid]
             if len(self._inbox) == before and rid in self.engine.scheduler.requests:
                 self.engine.abort(rid)          # frees its KV blocks now
+                if self.history is not None:    # its stream is gone: nothing more to deliver
+                    self.engine.forget(rid)
         inbox, self._inbox = self._inbox, []
         for rid, ids, params, text in inbox:
             st = self._streams.get(rid)
@@ -231,6 +244,8 @@ class AsyncLLM:
                                                  str(req.finish_reason or FinishReason.ABORT)))
             if req.is_finished:
                 st.request = None                # nothing more will come
+                if self.history is not None:
+                    self.engine.forget(req.request_id)
 
     @staticmethod
     def _text_delta(st: _Stream, decode, last: bool) -> str | None:

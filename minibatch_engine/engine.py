@@ -231,6 +231,13 @@ class Engine:
             at, _, req = heapq.heappop(self.pending)
             self._arrive(req, at)
 
+    def forget(self, request_id: str) -> None:
+        """Let go of a finished request (see :meth:`Scheduler.forget`): what a
+        long-running server does once the output is delivered. The id may then
+        be used again."""
+        self.scheduler.forget(request_id)
+        self._known_ids.discard(request_id)
+
     def abort(self, request_id: str) -> list[Request]:
         """End a request wherever it is (not yet arrived, waiting, running, swapped
         out); its memory, and that of its n > 1 samples, is given back at once."""

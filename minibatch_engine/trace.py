@@ -68,7 +68,20 @@ class StepRecord:
 
 @dataclass
 class Trace:
+    """The steps of a run, in order: ``trace[k]`` is step ``k``.
+
+    ``max_steps`` bounds the memory of a long-running server: the trace then
+    keeps (at least) its last ``max_steps`` steps and counts the ones it let go
+    in ``num_dropped``. Positions are then within what is kept (``trace[0]`` is
+    step ``num_dropped``), so the per-request metrics, which look steps up by
+    number, need the whole trace (the default, ``max_steps=None``)."""
     steps: list[StepRecord] = field(default_factory=list)
+    max_steps: int | None = None
+    num_dropped: int = 0
+
+    def __post_init__(self):
+        if self.max_steps is not None and (not isinstance(self.max_steps, int) or self.max_steps < 1):
+            raise ValueError(f"max_steps must be None or an integer >= 1, got {self.max_steps!r}")
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -78,6 +91,10 @@ class Trace:
 
     def append(self, rec: StepRecord) -> None:
         self.steps.append(rec)
+        if self.max_steps is not None and len(self.steps) >= self.max_steps + max(1, self.max_steps // 8):
+            extra = len(self.steps) - self.max_steps     # trimmed in batches: one list move per max/8 steps
+            del self.steps[:extra]
+            self.num_dropped += extra
 
     def column(self, name: str) -> np.ndarray:
         return np.array([getattr(s, name) for s in self.steps])

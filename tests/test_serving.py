@@ -255,6 +255,66 @@ def test_200_concurrent_streams_lose_nothing(tiny32):
     assert s["completed"] == 200 and s["ttft_ms_p50"] > 0 and s["output_throughput"] > 0
 
 
+def test_bounded_history_forgets_served_requests_and_old_steps(tiny32):
+    """A server's setting: with ``history`` the engine forgets each request once
+    its stream ends (finished or cancelled) and keeps only the last steps, and
+    the streams carry the same tokens as with the whole history kept."""
+    specs = make_workload("uniform", 60, seed=6, vocab_size=256, arrival_rate=4000.0)
+    for s in specs:
+        s.prompt_token_ids, s.max_tokens = s.prompt_token_ids[:12], 1 + s.max_tokens % 6
+
+    async def serve(history):
+        from minibatch_engine.async_llm import open_loop
+        async with AsyncLLM(tiny32, max_num_seqs=8, history=history) as llm:
+            recs = await open_loop(llm, specs)
+            cancelled = asyncio.create_task(consume(llm, [3, 4], SamplingParams(max_tokens=400, ignore_eos=True), "c"))
+            while "c" not in llm.engine.scheduler.requests:
+                await asyncio.sleep(0.0005)
+            cancelled.cancel()
+            await llm.wait_idle()
+            return [r.token_ids for r in recs], llm.engine
+
+    kept, full = run(serve(None))
+    bounded, eng = run(serve(8))
+    assert bounded == kept
+    assert len(full.scheduler.requests) == 61 and full.trace.num_dropped == 0
+    assert eng.scheduler.requests == {}                   # served, cancelled: all forgotten
+    assert 8 <= len(eng.trace) <= 9 and eng.trace.num_dropped == len(full.trace) - len(eng.trace) > 0
+    assert eng.kv_cache.num_used_blocks == 0
+
+
+def test_forget_takes_finished_requests_only():
+    from minibatch_engine import Engine, build_model
+    eng = Engine(build_model("tiny"), max_num_seqs=2)
+    done = eng.add_request([1, 2], SamplingParams(max_tokens=2, n=2, seed=1))
+    running = eng.add_request([1, 2, 3], SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(4):
+        eng.step()
+    assert done.is_finished and not running.is_finished and done.child_ids
+    with pytest.raises(ValueError, match="has not finished"):
+        eng.forget(running.request_id)
+    with pytest.raises(ValueError, match="forget that one"):
+        eng.forget(done.child_ids[0])
+    eng.forget(done.request_id)                              # the request and its samples
+    assert set(eng.scheduler.requests) == {running.request_id}
+    with pytest.raises(KeyError):
+        eng.forget(done.request_id)
+    eng.add_request([4], SamplingParams(max_tokens=1), request_id=done.request_id)   # the id is free again
+
+
+def test_trace_max_steps_keeps_the_last_steps():
+    from minibatch_engine.trace import StepRecord
+    trace = Trace(max_steps=16)
+    for k in range(100):
+        trace.append(StepRecord(step=k, lanes=[], batch_id=None, computed_tokens=1, useful_tokens=1,
+                                prefill_tokens=0, decode_tokens=1, num_running=1, sampled_tokens=1,
+                                kv_reserved_bytes=0, kv_used_bytes=0, kv_capacity_bytes=0,
+                                wall_start=0.0, wall_end=0.0))
+    assert 16 <= len(trace) <= 18 and trace[-1].step == 99 and trace[0].step == trace.num_dropped
+    with pytest.raises(ValueError, match="max_steps"):
+        Trace(max_steps=0)
+
+
 def test_sweep_command_writes_one_row_per_rate_and_plots(tmp_path):
     from minibatch_engine.cli import main
     from minibatch_engine.sweep import knee, max_rate_under_slo

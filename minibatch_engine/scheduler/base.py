@@ -271,6 +271,20 @@ class Scheduler:
                 ended.append(r)
         return ended
 
+    def forget(self, request_id: str) -> None:
+        """Drop a finished request, and its ``n > 1`` samples, from ``requests``
+        (which otherwise keeps every request ever seen, for the run's analysis).
+        A long-running server calls this once it has delivered the output."""
+        group = self.samples_of(request_id) if request_id in self.requests else None
+        if group is None:
+            raise KeyError(f"unknown request {request_id!r}")
+        if group[0].parent_id is not None:
+            raise ValueError(f"{request_id!r} is a sample of {group[0].parent_id!r}: forget that one")
+        if not all(r.is_finished for r in group):
+            raise ValueError(f"request {request_id!r} has not finished: abort it first")
+        for r in group:
+            del self.requests[r.request_id]
+
     def samples_of(self, request_id: str) -> list[Request]:
         """A request and, for n > 1, its forked samples, in order."""
         req = self.requests[request_id]
