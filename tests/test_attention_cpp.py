@@ -46,10 +46,11 @@ def test_simd_path_matches_the_reference(dtype, head_dim):
 
 
 @needs_kernel
-def test_half_precision_runs_and_is_close():
+@pytest.mark.parametrize("head_dim", [16, 64])
+def test_half_precision_runs_and_is_close(head_dim):
     backend = get_attention_backend("cpp")
     gen = torch.Generator().manual_seed(2)
-    case64 = random_batch(gen, "mixed", 16, 4, 2, 16, torch.float64, num_seqs=4)
+    case64 = random_batch(gen, "mixed", 16, 4, 2, head_dim, torch.float64, num_seqs=4)
     case = {k: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) else v for k, v in case64.items()}
     from .attention_cases import reference, run_backend
     out, _, _ = run_backend(backend, case)
@@ -58,15 +59,17 @@ def test_half_precision_runs_and_is_close():
 
 
 @needs_kernel
-def test_strided_token_rows_are_read_in_place():
+@pytest.mark.parametrize("head_dim", [16, 64])     # the plain loops and the SIMD passes
+def test_strided_token_rows_are_read_in_place(head_dim):
     """q, k and v as views into one fused projection (rows strided, as the model
     passes them) give the same output as contiguous copies."""
     backend = get_attention_backend("cpp")
     gen = torch.Generator().manual_seed(9)
-    case = random_batch(gen, "mixed", 4, 4, 2, 16, torch.float32, num_seqs=5)
+    D = head_dim
+    case = random_batch(gen, "mixed", 4, 4, 2, D, torch.float32, num_seqs=5)
     fused = torch.cat([case["q"].flatten(1), case["k"].flatten(1), case["v"].flatten(1)], dim=1)
-    q, k, v = fused.split([64, 32, 32], dim=1)
-    strided = dict(case, q=q.view(-1, 4, 16), k=k.view(-1, 2, 16), v=v.view(-1, 2, 16))
+    q, k, v = fused.split([4 * D, 2 * D, 2 * D], dim=1)
+    strided = dict(case, q=q.view(-1, 4, D), k=k.view(-1, 2, D), v=v.view(-1, 2, D))
     assert not strided["q"].is_contiguous()
     assert_matches_reference(backend, strided)
     assert_matches_reference(backend, strided, cache=False)
