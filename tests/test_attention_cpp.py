@@ -32,17 +32,19 @@ def test_long_contexts_many_tiles_and_big_blocks(dtype):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_simd_path_matches_the_reference(dtype, head_dim):
     """Head sizes 64 and 128 in float32/float64 take the kernel's explicit-SIMD
-    passes (a few heads per pass, their rows in registers). Head counts that leave
+    passes (a few heads per pass, their rows in registers), or with simd=False
+    the plain loops. Head counts that leave
     a remainder pass (6 heads: passes of 4 or 2, then single heads), GQA 1/2/3,
     blocks of 1/16/32, decodes and prefill chunks, contexts of several tiles."""
-    backend = get_attention_backend("cpp")
+    from minibatch_engine.attention.cpp_backend import CppBackend
     gen = torch.Generator().manual_seed(11)
-    for num_heads, num_kv_heads in ((6, 6), (6, 3), (6, 2), (4, 2)):
-        for block_size in (1, 16, 32):
-            case = random_batch(gen, "mixed", block_size, num_heads, num_kv_heads, head_dim, dtype,
-                                num_seqs=4, max_len=100)
-            assert_matches_reference(backend, case)
-    assert_matches_reference(backend, case, cache=False)
+    for backend in (CppBackend(), CppBackend(simd=False)):     # the passes, then the plain loops
+        for num_heads, num_kv_heads in ((6, 6), (6, 3), (6, 2), (4, 2)):
+            for block_size in (1, 16, 32):
+                case = random_batch(gen, "mixed", block_size, num_heads, num_kv_heads, head_dim, dtype,
+                                    num_seqs=4, max_len=100)
+                assert_matches_reference(backend, case)
+        assert_matches_reference(backend, case, cache=False)
 
 
 @needs_kernel
@@ -82,14 +84,14 @@ def test_kernel_rejects_bad_inputs():
     e = torch.empty(0, dtype=torch.long)
     sl, qs = torch.tensor([3]), torch.tensor([0, 3])
     with pytest.raises(RuntimeError, match="head mismatch"):
-        kernel.paged_attention(q, torch.zeros(3, 3, 8), torch.zeros(3, 3, 8), e, e, e, e, sl, qs, 1)
+        kernel.paged_attention(q, torch.zeros(3, 3, 8), torch.zeros(3, 3, 8), e, e, e, e, sl, qs, 1, True)
     with pytest.raises(RuntimeError, match="share a dtype"):
-        kernel.paged_attention(q, k.double(), k.double(), e, e, e, e, sl, qs, 1)
+        kernel.paged_attention(q, k.double(), k.double(), e, e, e, e, sl, qs, 1, True)
     with pytest.raises(RuntimeError, match="int64"):
-        kernel.paged_attention(q, k, k, e, e, e, e, sl.int(), qs, 1)
+        kernel.paged_attention(q, k, k, e, e, e, e, sl.int(), qs, 1, True)
     cache = torch.zeros(8, 2, 8)
     with pytest.raises(RuntimeError, match="slot_mapping"):
-        kernel.paged_attention(q, k, k, cache, cache, torch.tensor([0, 1]), torch.tensor([[0]]), sl, qs, 4)
+        kernel.paged_attention(q, k, k, cache, cache, torch.tensor([0, 1]), torch.tensor([[0]]), sl, qs, 4, True)
     with pytest.raises(ValueError, match='runs on the CPU'):
         get_attention_backend("cpp", "cuda")
 

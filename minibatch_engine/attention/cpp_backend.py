@@ -17,13 +17,18 @@ from .metadata import BatchMetadata, batch_fields
 
 
 class CppBackend(AttentionBackend):
-    """One call of the C++ kernel per layer for the whole ragged batch."""
+    """One call of the C++ kernel per layer for the whole ragged batch.
+
+    ``simd=False`` runs the kernel's plain loops even where its explicit-SIMD
+    passes apply (float32/float64, head size 64 or 128): the same results up to
+    float rounding, slower; chapter 10 measures the two side by side."""
 
     name = "cpp"
     writes_kv = True   # the kernel stores the step's K/V in their slots, then attends
 
-    def __init__(self):
+    def __init__(self, simd: bool = True):
         self.kernel = load_cpu_kernel()   # raises KernelUnavailable, saying why
+        self.simd = bool(simd)
 
     def build_metadata(self, query_lens, seq_lens, block_tables=None, block_size=0, device="cpu"):
         if torch.device(device).type != "cpu":
@@ -38,7 +43,7 @@ class CppBackend(AttentionBackend):
         else:
             slot_mapping, block_tables = meta.slot_mapping, meta.block_tables
         return self.kernel.paged_attention(q, k, v, k_cache, v_cache, slot_mapping, block_tables,
-                                           meta.seq_lens, meta.query_start_loc, meta.block_size)
+                                           meta.seq_lens, meta.query_start_loc, meta.block_size, self.simd)
 
 
 _EMPTY = torch.empty(0, dtype=torch.long)

@@ -4,7 +4,8 @@
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                           const at::Tensor& seq_lens, const at::Tensor& query_start, int64_t block_size);
+                           const at::Tensor& seq_lens, const at::Tensor& query_start, int64_t block_size,
+                           bool use_simd);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);

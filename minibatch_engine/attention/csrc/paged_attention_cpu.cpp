@@ -156,10 +156,12 @@ template <typename scalar_t, int64_t DC>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
             const at::Tensor& v_cache, const at::Tensor& slot_mapping, at::Tensor& out,
             const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start,
-            int64_t block_size) {
+            int64_t block_size, bool use_simd) {
   using acc_t = at::opmath_type<scalar_t>;
-  // the explicit-SIMD passes where the cache holds the accumulation type (float32, float64)
-  constexpr bool simd = std::is_same_v<acc_t, scalar_t> && DC > 0 && DC % Simd<acc_t>::width == 0;
+  // the explicit-SIMD passes where the cache holds the accumulation type (float32, float64);
+  // use_simd=false runs the plain loops instead (chapter 10 measures the difference)
+  constexpr bool simd_ok = std::is_same_v<acc_t, scalar_t> && DC > 0 && DC % Simd<acc_t>::width == 0;
+  const bool simd = simd_ok && use_simd;
   constexpr int64_t NH = Simd<acc_t>::template heads_per_pass<DC>;
   const bool paged = k_cache.numel() > 0;
   const int64_t T = q.size(0), Hq = q.size(1), D = DC > 0 ? DC : q.size(2), Hkv = k.size(1), G = Hq / Hkv;
@@ -244,13 +246,16 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
         }
         // scores of every head for the tile's keys: each K row is read once by all heads
         // (by each pass of NH heads, on the SIMD path)
-        if constexpr (simd) {
-          int64_t h0 = 0;
-          for (; h0 + NH <= Hq; h0 += NH)
-            scores_pass<DC, NH>(score.data(), qf.data(), kp, k_row, slot.data(), n, h0, G);
-          for (; h0 < Hq; ++h0)
-            scores_pass<DC, 1>(score.data(), qf.data(), kp, k_row, slot.data(), n, h0, G);
-        } else {
+        if constexpr (simd_ok) {
+          if (simd) {
+            int64_t h0 = 0;
+            for (; h0 + NH <= Hq; h0 += NH)
+              scores_pass<DC, NH>(score.data(), qf.data(), kp, k_row, slot.data(), n, h0, G);
+            for (; h0 < Hq; ++h0)
+              scores_pass<DC, 1>(score.data(), qf.data(), kp, k_row, slot.data(), n, h0, G);
+          }
+        }
+        if (!simd) {
           for (int64_t j = 0; j < n; ++j) {
             const scalar_t* krow = kp + slot[j] * k_row;
             for (int64_t h = 0; h < Hq; ++h)
@@ -274,13 +279,16 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
           for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
         }
         // then every head's weighted sum of the tile's V rows, each row read once (per pass)
-        if constexpr (simd) {
-          int64_t h0 = 0;
-          for (; h0 + NH <= Hq; h0 += NH)
-            weighted_sum_pass<DC, NH>(acc.data(), score.data(), vp, v_row, slot.data(), n, h0, G);
-          for (; h0 < Hq; ++h0)
-            weighted_sum_pass<DC, 1>(acc.data(), score.data(), vp, v_row, slot.data(), n, h0, G);
-        } else {
+        if constexpr (simd_ok) {
+          if (simd) {
+            int64_t h0 = 0;
+            for (; h0 + NH <= Hq; h0 += NH)
+              weighted_sum_pass<DC, NH>(acc.data(), score.data(), vp, v_row, slot.data(), n, h0, G);
+            for (; h0 < Hq; ++h0)
+              weighted_sum_pass<DC, 1>(acc.data(), score.data(), vp, v_row, slot.data(), n, h0, G);
+          }
+        }
+        if (!simd) {
           for (int64_t j = 0; j < n; ++j) {
             const scalar_t* vrow = vp + slot[j] * v_row;
             for (int64_t h = 0; h < Hq; ++h) {
@@ -307,11 +315,13 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
 // each row contiguous); k_cache, v_cache: [num_slots, Hkv, D], one layer's pool, or
 // empty tensors for a cache-free forward (keys are then the new tokens themselves);
 // slot_mapping: [T] where each new token's K/V goes; block_tables: [S, max_blocks];
-// seq_lens: [S]; query_start: [S + 1] (all int64). Returns [T, Hq, D].
+// seq_lens: [S]; query_start: [S + 1] (all int64); use_simd: the explicit-SIMD passes where
+// they apply (false: the plain loops everywhere). Returns [T, Hq, D].
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                            const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                           const at::Tensor& seq_lens, const at::Tensor& query_start, int64_t block_size) {
+                           const at::Tensor& seq_lens, const at::Tensor& query_start, int64_t block_size,
+                           bool use_simd) {
   const bool paged = k_cache.numel() > 0;
   for (const auto* t : {&q, &k, &v, &k_cache, &v_cache, &slot_mapping, &block_tables, &seq_lens, &query_start})
     TORCH_CHECK(t->device().is_cpu(), "paged_attention: CPU tensors only");
@@ -340,9 +350,9 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     // the common head sizes get their own compiled loops (fully unrolled over D)
     switch (q.size(2)) {
-      case 64: attend<scalar_t, 64>(q, k, v, k_cache, v_cache, slot_mapping, out, block_tables, seq_lens, query_start, block_size); break;
-      case 128: attend<scalar_t, 128>(q, k, v, k_cache, v_cache, slot_mapping, out, block_tables, seq_lens, query_start, block_size); break;
-      default: attend<scalar_t, 0>(q, k, v, k_cache, v_cache, slot_mapping, out, block_tables, seq_lens, query_start, block_size);
+      case 64: attend<scalar_t, 64>(q, k, v, k_cache, v_cache, slot_mapping, out, block_tables, seq_lens, query_start, block_size, use_simd); break;
+      case 128: attend<scalar_t, 128>(q, k, v, k_cache, v_cache, slot_mapping, out, block_tables, seq_lens, query_start, block_size, use_simd); break;
+      default: attend<scalar_t, 0>(q, k, v, k_cache, v_cache, slot_mapping, out, block_tables, seq_lens, query_start, block_size, use_simd);
     }
   });
   return out;
