@@ -87,8 +87,10 @@ class AsyncLLM:
     ``history``: ``None`` (the default) keeps every request and every step in
     ``self.engine`` for analysis afterwards, as the book's chapters do. A server
     that runs for days sets a number: the engine's trace then keeps about the
-    last ``history`` steps, and each request is forgotten once its stream has
-    ended, so memory stays bounded however many requests pass through."""
+    last ``history`` steps, and each request is forgotten (by the scheduler and
+    its policy) once its stream has ended, so memory stays bounded however many
+    requests pass through; the per-request metrics, which need the whole trace,
+    then refuse it."""
 
     def __init__(self, model="tiny", tokenizer=None, device: str = "auto", dtype: str = "float32",
                  seed: int = 0, step_in_thread: bool = True, history: int | None = None,
@@ -105,8 +107,9 @@ class AsyncLLM:
         self.step_in_thread = step_in_thread
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._streams: dict[str, _Stream] = {}
-        self._inbox: list[tuple[str, list[int], SamplingParams, str | None]] = []
-        self._aborts: list[str] = []
+        # notes for the loop, keyed by the stream object (an id may be reused once forgotten)
+        self._inbox: list[tuple[_Stream, list[int], SamplingParams, str | None]] = []
+        self._aborts: list[_Stream] = []
         self._ids = itertools.count()
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
@@ -130,7 +133,7 @@ class AsyncLLM:
             raise ValueError(f"request_id {rid!r} is already streaming")
         self._start_loop()
         st = self._streams[rid] = _Stream(rid, asyncio.Queue())
-        self._inbox.append((rid, ids, params, text))
+        self._inbox.append((st, ids, params, text))
         self._wake.set()
         done = False
         try:
@@ -144,16 +147,19 @@ class AsyncLLM:
                 if done:
                     return
         finally:
-            self._streams.pop(rid, None)
+            if self._streams.get(rid) is st:
+                del self._streams[rid]
             if not done:                        # cancelled, or the consumer left early
-                self._abort_soon(rid)
+                self._abort_soon(st)
 
     generate = stream       # vLLM's name for the same async generator
 
     async def abort(self, request_id: str) -> None:
         """End a request from outside; its stream yields a last output with
         ``finish_reason="abort"`` and its KV memory is freed before the next step."""
-        self._abort_soon(str(request_id))
+        st = self._streams.get(str(request_id))
+        if st is not None:
+            self._abort_soon(st)
 
     async def wait_idle(self) -> None:
         """Return once every submitted request and abort has been dealt with."""
@@ -164,8 +170,8 @@ class AsyncLLM:
 
     async def shutdown(self) -> None:
         """Stop the engine loop (unfinished streams are aborted)."""
-        for rid in list(self._streams):
-            self._abort_soon(rid)
+        for st in list(self._streams.values()):
+            self._abort_soon(st)
         await self.wait_idle()
         if self._task is not None:
             self._task.cancel()
@@ -190,8 +196,8 @@ class AsyncLLM:
             return self.tokenizer.encode(prompt), prompt
         return as_token_ids(prompt, "prompt"), None
 
-    def _abort_soon(self, rid: str) -> None:
-        self._aborts.append(rid)
+    def _abort_soon(self, st: _Stream) -> None:
+        self._aborts.append(st)
         if self._wake is not None:
             self._wake.set()
 
@@ -209,18 +215,22 @@ class AsyncLLM:
     def _take_inbox(self) -> None:
         """Apply the aborts and new requests that came in since the last step."""
         aborts, self._aborts = self._aborts, []
-        for rid in aborts:
-            before = len(self._inbox)
-            self._inbox = [x for x in self._inbox if x[0] != rid]
-            if len(self._inbox) == before and rid in self.engine.scheduler.requests:
-                self.engine.abort(rid)          # frees its KV blocks now
-                if self.history is not None:    # its stream is gone: nothing more to deliver
-                    self.engine.forget(rid)
-        inbox, self._inbox = self._inbox, []
-        for rid, ids, params, text in inbox:
-            st = self._streams.get(rid)
-            if st is None:
+        for st in aborts:
+            if any(x[0] is st for x in self._inbox):    # never submitted: it ends here
+                self._inbox = [x for x in self._inbox if x[0] is not st]
+                text = "" if self.tokenizer is not None else None
+                st.queue.put_nowait(StreamOutput(st.request_id, None, text, 0, str(FinishReason.ABORT)))
                 continue
+            req = st.request
+            if req is None or not self._holds(req):
+                continue                        # already finished and delivered (or refused)
+            self.engine.abort(req.request_id)   # frees its KV blocks now
+            if self._streams.get(st.request_id) is not st:
+                st.request = None               # its consumer is gone: nothing to deliver
+                self._forget(req)
+        inbox, self._inbox = self._inbox, []
+        for st, ids, params, text in inbox:
+            rid = st.request_id
             try:
                 st.request = self.engine.add_request(ids, params, request_id=rid, prompt_text=text)
             except (ValueError, TypeError) as e:
@@ -244,8 +254,16 @@ class AsyncLLM:
                                                  str(req.finish_reason or FinishReason.ABORT)))
             if req.is_finished:
                 st.request = None                # nothing more will come
-                if self.history is not None:
-                    self.engine.forget(req.request_id)
+                self._forget(req)
+
+    def _holds(self, req: Request) -> bool:
+        """``req`` is the engine's request under its id (not one forgotten since)."""
+        return self.engine.scheduler.requests.get(req.request_id) is req
+
+    def _forget(self, req: Request) -> None:
+        """With bounded history, the engine lets go of a request nobody will read again."""
+        if self.history is not None and self._holds(req):
+            self.engine.forget(req.request_id)
 
     @staticmethod
     def _text_delta(st: _Stream, decode, last: bool) -> str | None:

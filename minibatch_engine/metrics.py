@@ -60,9 +60,17 @@ def tpot(e2el: float, ttft: float, num_output_tokens: int) -> float:
     return (e2el - ttft) / (num_output_tokens - 1) if num_output_tokens > 1 else 0.0
 
 
+def _whole(trace: Trace) -> None:
+    """Per-request metrics look steps up by number: they need the whole trace."""
+    if getattr(trace, "num_dropped", 0):
+        raise ValueError(f"this trace has let go of its first {trace.num_dropped} steps (Trace.max_steps): "
+                         "per-request metrics need the whole trace")
+
+
 def request_metrics(req: Request, trace: Trace) -> RequestMetrics:
     """Latencies of a request that produced at least one token, from the trace:
     a token's time is the end of the step that sampled it."""
+    _whole(trace)
     a = req.arrival_step
     first, last = req.token_steps[0], req.token_steps[-1]
     n = len(req.token_steps)
@@ -118,6 +126,7 @@ class RequestTiming:
 
 def timings_from_trace(requests: Iterable[Request], trace: Trace, clock: str) -> list[RequestTiming]:
     """One :class:`RequestTiming` per request that produced a token."""
+    _whole(trace)
     out = []
     for r in requests:
         if not r.token_steps:

@@ -365,3 +365,19 @@ def test_bench_reports_per_class_and_per_client(tmp_path, capsys):
     assert set(s["per_client"]) == {"a", "b"} and all(c["slo_attainment"] == 1 for c in s["per_client"].values())
     assert main(["simulate", "--priority-aging-s", "1", "--no-progress"]) == 2
     assert "needs policy='priority'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority", "fair"])
+def test_forgetting_a_request_empties_what_the_policy_kept(policy):
+    """Engine.forget (a long-running server's call) reaches the policy: nothing
+    about a forgotten request stays in its bookkeeping."""
+    eng = sim_engine(policy)
+    reqs = [eng.add_request([1, 2, 3, 4, 5], params(6), client_id=c) for c in ("a", "b", "a")]
+    eng.run()
+    for r in reqs:
+        eng.forget(r.request_id)
+    pol = eng.scheduler.policy
+    assert eng.scheduler.requests == {} and pol._seq == {}
+    if isinstance(pol, FairSharePolicy):
+        assert pol._charged_out == {} and pol._charged_in == set()
+        assert set(pol.counters) == {"a", "b"}      # per-client service stays: it is the policy's state

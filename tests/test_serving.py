@@ -279,8 +279,53 @@ def test_bounded_history_forgets_served_requests_and_old_steps(tiny32):
     assert bounded == kept
     assert len(full.scheduler.requests) == 61 and full.trace.num_dropped == 0
     assert eng.scheduler.requests == {}                   # served, cancelled: all forgotten
+    assert eng.scheduler.policy._seq == {}                # and the policy let go of them too
     assert 8 <= len(eng.trace) <= 9 and eng.trace.num_dropped == len(full.trace) - len(eng.trace) > 0
     assert eng.kv_cache.num_used_blocks == 0
+    with pytest.raises(ValueError, match="whole trace"):
+        timings_from_trace(list(full.scheduler.requests.values()), eng.trace, "wall")
+
+
+def test_bounded_history_abort_and_an_id_reused_at_once(tiny32):
+    """With ``history``: an abort from outside ends a live stream (once: the
+    loop keeps running); a cancelled stream's id can be reused straight away;
+    aborting a stream the loop has not taken in yet ends it too."""
+    long = SamplingParams(max_tokens=300, ignore_eos=True)
+
+    async def main():
+        async with AsyncLLM(tiny32, max_num_seqs=4, history=8) as llm:
+            outs = []
+            async for out in llm.stream([1, 2, 3], long, request_id="x"):
+                outs.append(out)
+                if len(outs) == 2:
+                    await llm.abort("x")
+            first = asyncio.create_task(consume(llm, [4, 5], long, "y"))
+            while "y" not in llm.engine.scheduler.requests:
+                await asyncio.sleep(0.0005)
+            first.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await first                    # its stream is gone; its request not yet aborted
+            again = await consume(llm, [6, 7], SamplingParams(max_tokens=3, ignore_eos=True), "y")
+            early = [o async for o in _abort_before_the_loop(llm)]
+            await llm.wait_idle()
+            return outs, again, early, llm.engine
+
+    outs, again, early, eng = run(main())
+    assert outs[-1].finish_reason == "abort" and len(outs) < 300
+    assert len(again[0]) == 3 and again[2] == "length"
+    assert len(early) == 1 and early[0].finish_reason == "abort" and early[0].token_id is None
+    assert eng.scheduler.requests == {} and eng.kv_cache.num_used_blocks == 0
+
+
+async def _abort_before_the_loop(llm):
+    gen = llm.stream([8, 9], SamplingParams(max_tokens=5), request_id="z")
+    first = asyncio.ensure_future(gen.__anext__())
+    await asyncio.sleep(0)                     # the request is in the inbox, not yet in the engine
+    await llm.abort("z")
+    out = await first
+    yield out
+    async for out in gen:
+        yield out
 
 
 def test_forget_takes_finished_requests_only():

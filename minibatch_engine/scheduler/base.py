@@ -284,6 +284,10 @@ class Scheduler:
             raise ValueError(f"request {request_id!r} has not finished: abort it first")
         for r in group:
             del self.requests[r.request_id]
+            self._forgotten(r)
+
+    def _forgotten(self, request: Request) -> None:
+        """Hook: ``request`` has left the registry (a policy drops what it kept)."""
 
     def samples_of(self, request_id: str) -> list[Request]:
         """A request and, for n > 1, its forked samples, in order."""

@@ -117,6 +117,9 @@ class ContinuousScheduler(Scheduler):
             self.policy.on_finish(request)
         self.kv_cache.free(request.request_id)
 
+    def _forgotten(self, request: Request) -> None:
+        self.policy.forget(request)
+
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 

@@ -90,6 +90,10 @@ class SchedulingPolicy:
         """``req`` finished, or was ended from outside (``was_waiting``: while queued).
         Its arrival number stays: its forked samples may still be running."""
 
+    def forget(self, req: Request) -> None:
+        """``req`` (finished) is dropped for good: let go of what was kept about it."""
+        self._seq.pop(req.request_id, None)
+
     def arrival_order(self, req: Request) -> int:
         """Arrival sequence number (a forked sample shares its parent's)."""
         if req.request_id in self._seq:
@@ -228,6 +232,11 @@ class FairSharePolicy(SchedulingPolicy):
         if req.request_id not in self._charged_in:     # a prompt counts once, even if recomputed
             self._charged_in.add(req.request_id)
             self._charge(c, self.w_p * req.num_prompt_tokens)
+
+    def forget(self, req):
+        super().forget(req)
+        self._charged_out.pop(req.request_id, None)
+        self._charged_in.discard(req.request_id)
 
     def _charge_outputs(self, req: Request) -> None:
         new = req.num_output_tokens - self._charged_out.get(req.request_id, 0)
