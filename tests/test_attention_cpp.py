@@ -33,9 +33,9 @@ def test_long_contexts_many_tiles_and_big_blocks(dtype):
 def test_simd_path_matches_the_reference(dtype, head_dim):
     """Head sizes 64 and 128 in float32/float64 take the kernel's explicit-SIMD
     passes (a few heads per pass, their rows in registers), or with simd=False
-    the plain loops. Head counts that leave
-    a remainder pass (6 heads: passes of 4 or 2, then single heads), GQA 1/2/3,
-    blocks of 1/16/32, decodes and prefill chunks, contexts of several tiles."""
+    the plain loops. Head counts that leave a remainder pass (6 heads: passes of
+    4 or 2, then single heads), GQA 1/2/3, blocks of 1/16/32, decodes and prefill
+    chunks, contexts of several tiles."""
     from minibatch_engine.attention.cpp_backend import CppBackend
     gen = torch.Generator().manual_seed(11)
     for backend in (CppBackend(), CppBackend(simd=False)):     # the passes, then the plain loops

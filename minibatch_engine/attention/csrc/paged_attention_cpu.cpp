@@ -152,6 +152,15 @@ inline void weighted_sum_pass(T* acc, const T* score, const T* v, int64_t v_row,
     for (int64_t i = 0; i < NV; ++i) reinterpret_cast<vec*>(acc + (h0 + h) * DC)[i] = a[h][i];
 }
 
+// Runs pass(nh, h0) over heads 0 .. Hq - 1: passes of NH heads, then single heads
+// (nh is a std::integral_constant, so each pass is compiled for its head count).
+template <int64_t NH, typename Pass>
+inline void in_passes(int64_t Hq, Pass&& pass) {
+  int64_t h0 = 0;
+  for (; h0 + NH <= Hq; h0 += NH) pass(std::integral_constant<int64_t, NH>{}, h0);
+  for (; h0 < Hq; ++h0) pass(std::integral_constant<int64_t, 1>{}, h0);
+}
+
 template <typename scalar_t, int64_t DC>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
             const at::Tensor& v_cache, const at::Tensor& slot_mapping, at::Tensor& out,
@@ -247,13 +256,11 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
         // scores of every head for the tile's keys: each K row is read once by all heads
         // (by each pass of NH heads, on the SIMD path)
         if constexpr (simd_ok) {
-          if (simd) {
-            int64_t h0 = 0;
-            for (; h0 + NH <= Hq; h0 += NH)
-              scores_pass<DC, NH>(score.data(), qf.data(), kp, k_row, slot.data(), n, h0, G);
-            for (; h0 < Hq; ++h0)
-              scores_pass<DC, 1>(score.data(), qf.data(), kp, k_row, slot.data(), n, h0, G);
-          }
+          if (simd)
+            in_passes<NH>(Hq, [&](auto nh, int64_t h0) {
+              scores_pass<DC, decltype(nh)::value>(score.data(), qf.data(), kp, k_row, slot.data(), n,
+                                                   h0, G);
+            });
         }
         if (!simd) {
           for (int64_t j = 0; j < n; ++j) {
@@ -280,13 +287,11 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
         }
         // then every head's weighted sum of the tile's V rows, each row read once (per pass)
         if constexpr (simd_ok) {
-          if (simd) {
-            int64_t h0 = 0;
-            for (; h0 + NH <= Hq; h0 += NH)
-              weighted_sum_pass<DC, NH>(acc.data(), score.data(), vp, v_row, slot.data(), n, h0, G);
-            for (; h0 < Hq; ++h0)
-              weighted_sum_pass<DC, 1>(acc.data(), score.data(), vp, v_row, slot.data(), n, h0, G);
-          }
+          if (simd)
+            in_passes<NH>(Hq, [&](auto nh, int64_t h0) {
+              weighted_sum_pass<DC, decltype(nh)::value>(acc.data(), score.data(), vp, v_row, slot.data(),
+                                                         n, h0, G);
+            });
         }
         if (!simd) {
           for (int64_t j = 0; j < n; ++j) {
