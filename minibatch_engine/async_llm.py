@@ -41,7 +41,7 @@ from typing import AsyncIterator, Callable, Sequence
 
 from .config import EngineConfig
 from .engine import Engine
-from .inputs import as_token_ids
+from .inputs import as_token_ids, encode_text
 from .metrics import RequestTiming
 from .request import FinishReason, Request
 from .sampling import SamplingParams
@@ -52,8 +52,9 @@ from .trace import Trace
 class StreamOutput:
     """One new token of a streamed request (vLLM's delta output).
 
-    ``token_id`` is None only on the last output of a request ended from outside
-    (``finish_reason == "abort"``). ``text`` is the text this token adds (None
+    ``token_id`` is None only on the last output of a request that ended without
+    a new token: ended from outside (``finish_reason == "abort"``), or failed in
+    its own step (``"error"``, e.g. its sampling; the other streams go on). ``text`` is the text this token adds (None
     without a tokenizer; empty while a multi-byte character is incomplete).
     ``finish_reason`` is set on the last output only."""
     request_id: str
@@ -114,13 +115,17 @@ class AsyncLLM:
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._error: BaseException | None = None
+        self._closed = False
 
     # --- the public door -------------------------------------------------------
     async def stream(self, prompt, sampling_params: SamplingParams | None = None,
                      request_id: str | None = None) -> AsyncIterator[StreamOutput]:
         """Submit a request and yield each new token as the engine produces it.
         The request is submitted when iteration starts; leaving early or
-        cancelling the consumer aborts it."""
+        cancelling the consumer aborts it. Every stream of one ``AsyncLLM``
+        must come from the same event loop while its engine loop runs."""
+        if self._closed:
+            raise RuntimeError("this AsyncLLM has been shut down: create a new one")
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__}")
@@ -169,17 +174,26 @@ class AsyncLLM:
             await asyncio.sleep(0.001)
 
     async def shutdown(self) -> None:
-        """Stop the engine loop (unfinished streams are aborted)."""
+        """Stop the engine loop (unfinished streams are aborted) and release its
+        thread. It returns normally after an engine failure too; a second call
+        does nothing, and ``stream`` refuses new requests afterwards."""
+        if self._closed:
+            return
+        self._closed = True
         for st in list(self._streams.values()):
             self._abort_soon(st)
-        await self.wait_idle()
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-            self._task = None
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            if task.get_loop() is asyncio.get_running_loop():
+                if self._error is None:
+                    await self.wait_idle()
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+            else:                               # started on another event loop: stop it there
+                task.get_loop().call_soon_threadsafe(task.cancel)
         self._executor.shutdown(wait=True)
 
     async def __aenter__(self):
@@ -193,7 +207,7 @@ class AsyncLLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("the prompt is text but this model has no tokenizer: pass token ids")
-            return self.tokenizer.encode(prompt), prompt
+            return encode_text(self.tokenizer, prompt, "prompt"), prompt
         return as_token_ids(prompt, "prompt"), None
 
     def _abort_soon(self, st: _Stream) -> None:
@@ -207,8 +221,12 @@ class AsyncLLM:
         if self._error is not None:
             raise RuntimeError("the engine loop has failed") from self._error
         loop = asyncio.get_running_loop()
-        if self._task is not None and not self._task.done() and self._task.get_loop() is loop:
-            return
+        if self._task is not None and not self._task.done():
+            if self._task.get_loop() is loop:
+                return
+            raise RuntimeError("this AsyncLLM's engine loop is running on another event loop (another "
+                               "thread, or an asyncio.run still going): stream from that loop, or create "
+                               "one AsyncLLM per event loop")
         self._wake = asyncio.Event()
         self._task = loop.create_task(self._run(), name="AsyncLLM engine loop")
 
@@ -296,11 +314,10 @@ class AsyncLLM:
                 self._dispatch()
         except asyncio.CancelledError:
             raise
-        except BaseException as e:              # the engine failed: every stream learns it
-            self._error = e
+        except Exception as e:                  # the engine failed: every stream learns it
+            self._error = e                     # (kept, not raised: later calls report it)
             for st in self._streams.values():
                 st.queue.put_nowait(e)
-            raise
 
 
 @dataclass

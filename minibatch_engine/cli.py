@@ -6,6 +6,7 @@ configuration) prints ``error: ...`` and exits with status 2.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from .config import (ATTENTION_BACKENDS, KV_CACHES, POLICIES, PREEMPTION_MODES, SCHEDULER_NAMES,
@@ -15,6 +16,38 @@ from .sim import GPUS
 from .workload import CLASS_WORKLOADS, DEFAULT_SLO_E2E_S, DEFAULT_SLO_TTFT_S, parse_clients, workload_names
 
 FORMATTER = argparse.ArgumentDefaultsHelpFormatter
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with the CLI's one error contract: one line ``error: ...`` and status 2."""
+
+    def error(self, message):
+        self.exit(2, f"error: {self.prog}: {message} (see --help)\n")
+
+
+def _checked(convert, test, what: str):
+    """An argparse ``type=``: ``convert`` the text, then refuse a value failing ``test``."""
+    def parse(text):
+        try:
+            value = convert(text)
+        except (TypeError, ValueError):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not test(value):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+        return value
+    parse.__name__ = what           # argparse names the type in some messages
+    return parse
+
+
+def _finite(x: float) -> bool:
+    return x == x and abs(x) != float("inf")
+
+
+positive_int = _checked(int, lambda v: v >= 1, "an integer >= 1")
+non_negative_int = _checked(int, lambda v: v >= 0, "an integer >= 0")
+seed_int = _checked(int, lambda v: 0 <= v < 2**64, "a seed: an integer in [0, 2**64)")
+positive_float = _checked(float, lambda v: _finite(v) and v > 0, "a finite number > 0")
+non_negative_float = _checked(float, lambda v: _finite(v) and v >= 0, "a finite number >= 0")
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
@@ -40,15 +73,15 @@ def _bench_args(p: argparse.ArgumentParser, simulate: bool, sweep: bool = False)
     p.add_argument("--workload", choices=workload_names(), default="uniform",
                    help="prompt/output length distribution; mixed-classes: an interactive class (short, "
                         "priority 0) and a batch class (long, priority 1)")
-    p.add_argument("--num-requests", type=int, default=64, help="requests in the workload")
+    p.add_argument("--num-requests", type=positive_int, default=64, help="requests in the workload")
     p.add_argument("--max-batch", type=int, default=256, help="most sequences per step (max_num_seqs)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + output (default: min(model max_position, 1024))")
-    p.add_argument("--seed", type=int, default=0, help="workload seed")
+    p.add_argument("--seed", type=seed_int, default=0, help="workload seed")
     if not sweep:
-        p.add_argument("--arrival-rate", type=float, default=None,
+        p.add_argument("--arrival-rate", type=positive_float, default=None,
                        help="Poisson arrivals in requests/s (default: all at time 0)")
-    p.add_argument("--burstiness", type=float, default=1.0,
+    p.add_argument("--burstiness", type=positive_float, default=1.0,
                    help="with --arrival-rate: gamma-distributed gaps of this shape (1 = Poisson, smaller = burstier)")
     gpus = [g.name for g in GPUS.values()]
     p.add_argument("--sim-gpu", choices=gpus, default="H100-SXM" if simulate else None,
@@ -67,12 +100,12 @@ def _bench_args(p: argparse.ArgumentParser, simulate: bool, sweep: bool = False)
                    help="wait until a prompt fits the budget whole instead of chunking it")
     p.add_argument("--preemption", choices=PREEMPTION_MODES, default="recompute",
                    help="how to take KV memory back when the paged cache is full")
-    p.add_argument("--swap-space", type=int, default=0, metavar="BYTES",
+    p.add_argument("--swap-space", type=non_negative_int, default=0, metavar="BYTES",
                    help="host memory for swapped-out KV blocks (with --preemption swap)")
     p.add_argument("--policy", choices=POLICIES, default="fcfs",
                    help="who is admitted and preempted: first come first served, priority (with "
                         "preemption), fair (VTC between clients)")
-    p.add_argument("--priority-aging-s", type=float, default=None, metavar="S",
+    p.add_argument("--priority-aging-s", type=positive_float, default=None, metavar="S",
                    help="priority policy: a request gains one priority level per S seconds in the system")
     p.add_argument("--clients", type=parse_clients, default=None, metavar="NAME:RATE,...",
                    help="multi-tenant workload: a Poisson stream per client, e.g. a:8,b:1,c:1 "
@@ -80,12 +113,12 @@ def _bench_args(p: argparse.ArgumentParser, simulate: bool, sweep: bool = False)
     for flag, what, field, default in (("--slo-ttft-ms", "TTFT", "slo_ttft_s", DEFAULT_SLO_TTFT_S),
                                        ("--slo-e2e-ms", "end-to-end", "slo_e2e_s", DEFAULT_SLO_E2E_S)):
         classes = "; ".join(f"{c.name} {getattr(c, field) * 1e3:g}" for c in CLASS_WORKLOADS["mixed-classes"])
-        p.add_argument(flag, type=float, default=None, metavar="MS",
+        p.add_argument(flag, type=positive_float, default=None, metavar="MS",
                        help=f"{what} target of every request; when not given, each class's own "
                             f"({classes}; tenants {default * 1e3:g})")
     p.add_argument("--speculative-method", choices=SPEC_METHODS, default=None,
                    help="speculative decoding: n-gram prompt lookup or a draft model (default: off)")
-    p.add_argument("--num-speculative-tokens", type=int, default=3, metavar="K",
+    p.add_argument("--num-speculative-tokens", type=positive_int, default=3, metavar="K",
                    help="tokens proposed per decoding request and step")
     if simulate:
         p.add_argument("--sim-acceptance-rate", type=float, default=0.7, metavar="A",
@@ -105,8 +138,8 @@ def _bench_args(p: argparse.ArgumentParser, simulate: bool, sweep: bool = False)
         p.add_argument("--vs-transformers", action="store_true",
                        help="run the workload through transformers' generate, transformers' continuous "
                             "batching and this engine (same weights, alternating rounds) and compare")
-        p.add_argument("--rounds", type=int, default=3, help="with --vs-transformers: alternating rounds")
-        p.add_argument("--threads", type=int, default=2, help="with --vs-transformers: torch CPU threads")
+        p.add_argument("--rounds", type=positive_int, default=3, help="with --vs-transformers: alternating rounds")
+        p.add_argument("--threads", type=positive_int, default=2, help="with --vs-transformers: torch CPU threads")
     if simulate:
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
     else:
@@ -114,7 +147,7 @@ def _bench_args(p: argparse.ArgumentParser, simulate: bool, sweep: bool = False)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="minibatch-engine", formatter_class=FORMATTER,
+    parser = Parser(prog="minibatch-engine", formatter_class=FORMATTER,
                                      description="minibatch-engine: generate, benchmark, simulate")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -122,11 +155,11 @@ def build_parser() -> argparse.ArgumentParser:
                        description="Generate from text prompts. The built-in 'tiny' model has seeded random "
                                    "weights: its text is noise, identical on every machine.")
     g.add_argument("prompts", nargs="+", help="one or more text prompts")
-    g.add_argument("--max-tokens", type=int, default=32, help="most tokens to generate per prompt")
+    g.add_argument("--max-tokens", type=positive_int, default=32, help="most tokens to generate per prompt")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     g.add_argument("--top-k", type=int, default=0, help="keep the k most likely tokens (0 = off)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling threshold (1 = off)")
-    g.add_argument("--seed", type=int, default=None, help="sampling seed (per request)")
+    g.add_argument("--seed", type=seed_int, default=None, help="sampling seed (per request)")
     g.add_argument("--scheduler", choices=SCHEDULER_NAMES, default="continuous",
                    help="static (padded batches) or continuous (iteration-level)")
     _model_args(g)
@@ -144,17 +177,36 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as e:            # --help (0) or a usage error (2, one line printed)
+        return e.code
+    try:
+        _check_output_paths(args)
         if args.command == "generate":
             return _generate(args)
         if args.command == "sweep":
             return _sweep(args)
         return _bench(args, simulate=args.command == "simulate")
-    except (ValueError, TypeError, KeyError, FileNotFoundError, NotImplementedError) as e:
+    except (ValueError, TypeError, KeyError, OSError, NotImplementedError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        if isinstance(e, OSError) and e.filename is not None:      # e.g. --json naming a directory
+            msg = f"{e.strerror}: {e.filename}"
         print(f"error: {msg}", file=sys.stderr)
         return 2
+
+
+def _check_output_paths(args) -> None:
+    """Refuse an output file that cannot be written before the run, not after it."""
+    for flag in ("json", "jsonl", "plot"):
+        path = getattr(args, flag, None)
+        if path is None:
+            continue
+        parent = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            raise ValueError(f"--{flag} {path}: is a directory; name a file")
+        if not os.path.isdir(parent):
+            raise ValueError(f"--{flag} {path}: the folder {parent} does not exist")
 
 
 def _generate(args) -> int:

@@ -49,6 +49,10 @@ class SpeculativeConfig:
     sim_draft_model: simulator only: the preset whose roofline prices the
         draft's k steps (``"draft_model"``; default ``"llama-3.2-1b"``).
     seed: seeds the simulator's acceptance draws.
+
+    Greedy requests give the same tokens with and without speculation. A seeded
+    sampled request does not: rejection sampling consumes its generator
+    differently, so it keeps the output's distribution, not the draws.
     """
     method: str = "ngram"
     num_speculative_tokens: int = 3

@@ -21,7 +21,7 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
         raise ValueError(f"unknown device {device!r}; use 'auto', 'cpu', 'cuda' or 'cuda:N'") from None
-    if dev.type not in ("cpu", "cuda", "meta"):
+    if dev.type not in ("cpu", "cuda"):      # (the simulator's "meta" tensors are internal)
         raise ValueError(f"device {device!r} is not supported; use 'auto', 'cpu', 'cuda' or 'cuda:N'")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device 'cuda' was asked for but CUDA is not available")

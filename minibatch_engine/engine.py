@@ -29,6 +29,7 @@ from .request import FinishReason, Request
 from .runner import ModelRunner, RunnerOutput, SimRunner
 from .sampling import SamplingParams
 from .scheduler import ContinuousScheduler, Scheduler, SchedulerOutput, StaticScheduler
+from .scheduler.base import SAMPLE_ID
 from .scheduler.policy import make_policy
 from .scheduler.preemption import Preemptor
 from .sim import RooflineCostModel, get_gpu
@@ -48,6 +49,10 @@ class Engine:
 
     def __init__(self, model=None, config: EngineConfig | None = None, eos_token_id: int | None = None,
                  **overrides):
+        if config is not None and not isinstance(config, EngineConfig):
+            raise TypeError(f"config must be an EngineConfig, got {type(config).__name__} "
+                            "(pass options as keywords: Engine(model, max_num_seqs=8), or "
+                            "Engine(model, EngineConfig(**options)))")
         cfg = (config or EngineConfig()).with_overrides(**overrides) if overrides else (config or EngineConfig())
         if model is None and (cfg.sim_gpu is None or cfg.sim_model is None):
             raise ValueError("without a model, both sim_gpu and sim_model are needed")
@@ -196,6 +201,9 @@ class Engine:
                              f"{bad[:5]}")
         if rid in self._known_ids:
             raise ValueError(f"request_id {rid!r} is already in use")
+        if SAMPLE_ID.fullmatch(rid):
+            raise ValueError(f"request_id {rid!r} is reserved: ids ending in '#' and a number name the "
+                             "samples of n > 1 requests")
         if isinstance(priority, bool) or not isinstance(priority, int):
             raise TypeError(f"request {rid}: priority must be an integer, got {priority!r}")
         if arrival_time is not None:

@@ -44,11 +44,35 @@ def as_token_ids(prompt, where: str = "prompt") -> list[int]:
     return ids
 
 
+MAX_ARRIVAL_S = 1e9     # about 32 years: later than any run, early enough to sleep until and add to
+
+
 def check_arrival_time(t, where: str = "arrival_time") -> float:
-    """A finite, non-negative time in the engine's clock (seconds)."""
+    """A finite, non-negative time in the engine's clock (seconds), at most
+    ``MAX_ARRIVAL_S`` (a wall-clock engine sleeps until it; a simulated clock
+    that large would swallow a step's milliseconds in rounding)."""
     if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t < 0:
         raise ValueError(f"{where} must be a finite number of seconds >= 0 in the engine's clock, got {t!r}")
+    if t > MAX_ARRIVAL_S:
+        raise ValueError(f"{where} must be at most {MAX_ARRIVAL_S:g} seconds (about 32 years), got {t!r}")
     return float(t)
+
+
+def check_seed(seed, where: str = "seed") -> int:
+    """A random seed: an integer in [0, 2**64) (what ``torch.Generator`` takes)."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed < 2**64:
+        raise ValueError(f"{where} must be an integer in [0, 2**64), got {seed!r}")
+    return int(seed)
+
+
+def encode_text(tokenizer, text: str, where: str) -> list[int]:
+    """``tokenizer.encode(text)``, with a text that is not valid Unicode (a lone
+    surrogate, say) refused by name instead of a bare ``UnicodeEncodeError``."""
+    try:
+        return tokenizer.encode(text)
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{where}: the text cannot be encoded as UTF-8 ({e.reason}: "
+                         f"{e.object[e.start:e.end]!r} at character {e.start})") from None
 
 
 def as_prompt_list(prompts) -> list:

@@ -8,7 +8,7 @@ from tqdm.auto import tqdm
 
 from .config import EngineConfig
 from .engine import Engine
-from .inputs import as_prompt_list, check_arrival_time
+from .inputs import as_prompt_list, check_arrival_time, encode_text
 from .metrics import RequestMetrics, request_metrics
 from .sampling import SamplingParams
 
@@ -52,7 +52,7 @@ class LLM:
             if self.tokenizer is None:
                 raise ValueError(f"prompts[{i}] is text but this model has no tokenizer: pass token ids, "
                                  "or LLM(..., tokenizer=...)")
-            return self.tokenizer.encode(prompt), prompt
+            return encode_text(self.tokenizer, prompt, f"prompts[{i}]"), prompt
         return prompt, None
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

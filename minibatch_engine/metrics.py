@@ -45,12 +45,15 @@ DEFAULT_PERCENTILES = (50, 90, 99)
 
 @dataclass
 class RequestMetrics:
+    """One request's latencies. A request that produced no token (aborted, or
+    failed, before its first) has None for every token latency and empty
+    ``itl_steps``/``seconds``; ``queue_steps`` is None if it was never scheduled."""
     num_prompt_tokens: int
     num_output_tokens: int
-    queue_steps: int
-    ttft_steps: int
-    e2e_steps: int
-    tpot_steps: float          # (e2e_steps - ttft_steps) / (n - 1); 0 for one token
+    queue_steps: int | None
+    ttft_steps: int | None
+    e2e_steps: int | None
+    tpot_steps: float | None   # (e2e_steps - ttft_steps) / (n - 1); 0 for one token
     itl_steps: list            # gaps between consecutive tokens, in steps
     seconds: dict              # clock -> {"queue", "ttft", "e2e", "tpot", "itl"}
 
@@ -68,10 +71,13 @@ def _whole(trace: Trace) -> None:
 
 
 def request_metrics(req: Request, trace: Trace) -> RequestMetrics:
-    """Latencies of a request that produced at least one token, from the trace:
-    a token's time is the end of the step that sampled it."""
+    """Latencies of a request from the trace: a token's time is the end of the
+    step that sampled it (None throughout for a request with no token)."""
     _whole(trace)
     a = req.arrival_step
+    if not req.token_steps:
+        queue = None if req.first_scheduled_step is None else req.first_scheduled_step - a
+        return RequestMetrics(req.num_prompt_tokens, 0, queue, None, None, None, [], {})
     first, last = req.token_steps[0], req.token_steps[-1]
     n = len(req.token_steps)
     itl = list(np.diff(req.token_steps).tolist())

@@ -33,6 +33,7 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"      # max_tokens reached
     STOP = "stop"          # EOS or a stop token
     ABORT = "abort"        # ended from outside (abort, a cancelled stream)
+    ERROR = "error"        # its own step failed (e.g. sampling); the other requests go on
 
     def __str__(self) -> str:
         return self.value
@@ -58,6 +59,7 @@ class Request:
     parent_id: str | None = None              # set on the forked samples of n > 1
     child_ids: list[str] = field(default_factory=list)   # n > 1: the forked samples
     finish_reason: FinishReason | None = None
+    error: str | None = None                  # why, when finish_reason is ERROR
     # Timestamps, as engine step indices (the trace maps steps to seconds in each clock).
     arrival_step: int = 0
     arrival_time: dict = field(default_factory=dict)   # clock name -> seconds

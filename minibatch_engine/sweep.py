@@ -36,8 +36,8 @@ def parse_rates(text: str | Sequence[float]) -> list[float]:
         rates = [float(x) for x in items]
     except (TypeError, ValueError):
         raise ValueError(f"rates must be numbers in requests/s, as 1,2,4; got {text!r}") from None
-    if not rates or any(not r > 0 for r in rates):
-        raise ValueError(f"rates must be > 0 requests/s, got {text!r}")
+    if not rates or any(not 0 < r < float("inf") for r in rates):
+        raise ValueError(f"rates must be finite and > 0 requests/s, got {text!r}")
     return rates
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import torch
 
 from ..device import resolve_device, resolve_dtype
+from ..inputs import check_seed
 from .config import PRESETS, ModelConfig, get_preset
 from .loader import CheckpointError, UnsupportedCheckpointError, load_model
 from .reference import full_forward_logits, reference_generate
@@ -20,6 +21,7 @@ def build_model(config: ModelConfig | str = "tiny", device: str | torch.device =
     the same model on every machine, then moved to ``device`` and ``dtype``.
     """
     cfg = get_preset(config) if isinstance(config, str) else config
+    check_seed(seed, "seed (of the model's random weights)")
     model = init_random(Transformer(cfg), seed=seed)
     model = model.to(device=resolve_device(device), dtype=resolve_dtype(dtype)).eval()
     model.source = cfg.name if cfg.name == "tiny" else None   # where its tokenizer comes from

@@ -15,8 +15,13 @@ from ..scheduler.base import SchedulerOutput
 class RunnerOutput:
     """The sampled tokens of every request (and forked sample) whose step computed
     its last known token, keyed by request id (a list: one token per step today;
-    speculative decoding can accept several)."""
+    speculative decoding can accept several).
+
+    ``errors``: request id -> message, for a request whose sampling failed this
+    step; it has no entry in ``sampled_token_ids``, and the scheduler ends it
+    with finish reason ``error`` while the rest of the batch goes on."""
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
     forward_s: float = 0.0      # wall seconds in the model forward
     sample_s: float = 0.0       # wall seconds in sampling (and the copy to host)
 

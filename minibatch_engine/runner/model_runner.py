@@ -131,12 +131,16 @@ class ModelRunner(Runner):
         t1 = time.perf_counter()
         # One row of the step's logits per sampling request; the samples forked
         # from an n > 1 request draw from their parent's row. A request with
-        # proposals has k + 1 rows and is verified instead.
+        # proposals has k + 1 rows and is verified instead. A request whose
+        # sampling fails is reported in out.errors; the others are unaffected.
         rows, seqs, row = [], [], 0
         for s in sched.scheduled:
             if s.spec_token_ids:
                 k = len(s.spec_token_ids)
-                out.sampled_token_ids[s.request_id] = self._verify(s, logits[row:row + k + 1])
+                try:
+                    out.sampled_token_ids[s.request_id] = self._verify(s, logits[row:row + k + 1])
+                except (RuntimeError, ValueError) as e:
+                    out.errors[s.request_id] = f"verification failed: {e}"
                 row += k
             elif s.samples:
                 rows.append(row)
@@ -146,10 +150,23 @@ class ModelRunner(Runner):
                     seqs.append(seq)
             row += 1
         if rows:
-            every_row = len(rows) == logits.shape[0] and rows[-1] == len(rows) - 1   # rows == 0..n-1
+            gens = []
+            for r in seqs:
+                try:
+                    gens.append(self._generator(r))
+                except (RuntimeError, ValueError) as e:
+                    gens.append(None)
+                    out.errors[r.request_id] = f"its seed could not start a generator: {e}"
+            # Every row in order, once each (no forks, no proposals): sample the logits as they are.
+            every_row = rows == list(range(logits.shape[0]))
+            errors: dict[int, str] = {}
             tokens = sample(logits if every_row else logits[rows], [r.sampling_params for r in seqs],
-                            [self._generator(r) for r in seqs]).tolist()
-            out.sampled_token_ids.update({r.request_id: [t] for r, t in zip(seqs, tokens)})
+                            gens, errors).tolist()
+            for i, (r, t) in enumerate(zip(seqs, tokens)):
+                if i in errors:
+                    out.errors.setdefault(r.request_id, errors[i])
+                elif r.request_id not in out.errors:
+                    out.sampled_token_ids[r.request_id] = [t]
         out.forward_s, out.sample_s = t1 - t0, time.perf_counter() - t1
         return out
 

@@ -16,6 +16,7 @@ Every step the engine calls, in this order:
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Iterable
 
@@ -23,6 +24,9 @@ from ..request import FinishReason, Request, RequestStatus
 
 if TYPE_CHECKING:
     from ..runner.base import RunnerOutput
+
+# Sample k of an n > 1 request is "<parent id>#<k>"; the engine keeps user ids out of this form.
+SAMPLE_ID = re.compile(r".*#\d+", re.DOTALL)
 
 
 @dataclass(slots=True)
@@ -199,9 +203,14 @@ class Scheduler:
         returns the requests (and forked samples) that finished in it."""
         finished: list[Request] = []
         mark_computed, sampled, step = self.kv_cache.mark_computed, out.sampled_token_ids, sched.step
+        errors = out.errors
         for s in sched.scheduled:
             r = s.request
             if r.is_finished:             # ended from outside since it was scheduled
+                continue
+            if errors and s.spec_token_ids and r.request_id in errors:
+                r.spec_token_ids = []
+                finished += self._fail([r], errors, step)
                 continue
             if s.spec_token_ids:
                 self._verified(r, s, sampled[r.request_id])
@@ -213,6 +222,9 @@ class Scheduler:
             for child in s.forks:
                 self._fork(r, child)
             for seq in (r, *s.forks):
+                if errors and seq.request_id in errors:
+                    finished += self._fail([seq], errors, step)
+                    continue
                 for token in sampled[seq.request_id]:
                     seq.append_token(token, step)
                     if seq.is_finished:
@@ -220,6 +232,15 @@ class Scheduler:
                         self._end(seq)
                         break
         return finished
+
+    def _fail(self, seqs: list[Request], errors: dict[str, str], step: int) -> list[Request]:
+        """End the sequences whose step failed in the runner (finish reason
+        ``error``, the message kept on the request); the rest of the batch goes on."""
+        for seq in seqs:
+            seq.error = errors[seq.request_id]
+            seq.finish(step, FinishReason.ERROR)
+            self._end(seq)
+        return seqs
 
     def _verified(self, r: Request, s: ScheduledRequest, sampled: list[int]) -> None:
         """Speculative rollback. ``sampled`` is the accepted prefix of the proposals

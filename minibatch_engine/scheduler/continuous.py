@@ -189,7 +189,7 @@ class ContinuousScheduler(Scheduler):
         """Swapped-out requests come back first, when memory allows (and nobody was
         preempted this step, which would only swap them out again)."""
         while self.swapped and not step.out.preempted and step.budget > 0 \
-                and self.num_seqs() < self.max_num_seqs \
+                and self.num_seqs() + self.swapped[0].num_seqs <= self.max_num_seqs \
                 and not self._waiting_outranks(self.swapped[0]) \
                 and self.preemptor.can_swap_in(self.swapped[0], bool(self.running)):
             req = self.swapped.popleft()
