@@ -9,8 +9,10 @@ import argparse
 import os
 import sys
 
-from .config import (ATTENTION_BACKENDS, KV_CACHES, POLICIES, PREEMPTION_MODES, SCHEDULER_NAMES,
-                     SPEC_METHODS)
+from .attention import BACKENDS
+from .config import KV_CACHES, SCHEDULER_NAMES, SPEC_METHODS
+from .scheduler.policy import POLICIES
+from .scheduler.preemption import PREEMPTION_MODES
 from .model.config import PRESETS
 from .sim import GPUS
 from .workload import CLASS_WORKLOADS, DEFAULT_SLO_E2E_S, DEFAULT_SLO_TTFT_S, parse_clients, workload_names
@@ -51,7 +53,7 @@ non_negative_float = _checked(float, lambda v: _finite(v) and v >= 0, "a finite 
 
 
 def _model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+    p.add_argument("--attention-backend", choices=BACKENDS, default="auto",
                    help="auto: triton on CUDA when installed; on a CPU cpp (a C++ paged kernel, compiled on first use) when a compiler is present, else sdpa")
     p.add_argument("--model", default="tiny",
                    help="'tiny' (built-in, seeded random weights), 'tiny-py' (small, trained on Python source) or a Hugging Face checkpoint directory")

@@ -11,15 +11,15 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, fields, replace
 
+from .attention.registry import BACKENDS
 from .model.config import ModelConfig, get_preset
+from .scheduler.continuous import check_token_budget
+from .scheduler.policy import POLICIES
+from .scheduler.preemption import PREEMPTION_MODES, VICTIMS
 
 SCHEDULER_NAMES = ("continuous", "static")
 KV_CACHES = ("paged", "reserved")         # and "auto": paged, or reserved for static batching
-PREEMPTION_MODES = ("recompute", "swap")
-VICTIMS = ("latest", "most_blocks")
 SPEC_METHODS = ("ngram", "draft_model")
-ATTENTION_BACKENDS = ("auto", "cpp", "sdpa", "triton", "reference")
-POLICIES = ("fcfs", "priority", "fair")
 # The token budget when none is given: vLLM ships 2048 to 16384 depending on the
 # device and the entry point; 2048 keeps one step short on a CPU.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
@@ -191,7 +191,7 @@ class EngineConfig:
         kv = self.kv_layout
         choice("preemption_mode", PREEMPTION_MODES)
         choice("preemption_victim", VICTIMS)
-        choice("attention_backend", ATTENTION_BACKENDS)
+        choice("attention_backend", BACKENDS)
         choice("policy", POLICIES)
         if self.priority_aging_s is not None:
             number("priority_aging_s", 0.0, 1e9, low_open=True)
@@ -279,7 +279,6 @@ class EngineConfig:
                 budget = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, self.max_num_seqs)
             else:
                 budget = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len)
-        from .scheduler.continuous import check_token_budget
         if self.scheduler == "continuous":
             check_token_budget(budget, self.enable_chunked_prefill, self.max_num_seqs, max_model_len)
         return replace(self, max_model_len=max_model_len, max_num_batched_tokens=budget, kv_cache=self.kv_layout)

@@ -26,9 +26,10 @@ from .inputs import as_token_ids, check_arrival_time
 from .kv import PagedKVCache, ReservedKVCache, SwapSpace
 from .model.config import ModelConfig, get_preset
 from .request import FinishReason, Request
-from .runner import ModelRunner, RunnerOutput, SimRunner
+from .outputs import RunnerOutput, SchedulerOutput
+from .runner import ModelRunner, SimRunner
 from .sampling import SamplingParams
-from .scheduler import ContinuousScheduler, Scheduler, SchedulerOutput, StaticScheduler
+from .scheduler import ContinuousScheduler, Scheduler, StaticScheduler
 from .scheduler.base import SAMPLE_ID
 from .scheduler.policy import make_policy
 from .scheduler.preemption import Preemptor
@@ -316,7 +317,7 @@ class Engine:
         first_block = self.kv_cache.first_block
         lanes, useful, prefill, verified = [], 0, 0, []     # one pass: this runs every step
         for s in sched.scheduled:
-            rid, n = s.request.request_id, s.num_tokens
+            rid, n = s.request_id, s.num_tokens
             useful += n
             if s.spec_token_ids:
                 verified.append(s)
@@ -325,7 +326,7 @@ class Engine:
                 lanes.append(LaneRecord(rid, first_block(rid), "prefill", n, s.start))
             else:
                 lanes.append(LaneRecord(rid, first_block(rid), "decode", n, s.start))
-        lanes += [LaneRecord(p.owner.request_id, first_block(p.owner.request_id), "pad", p.num_tokens,
+        lanes += [LaneRecord(p.owner_id, first_block(p.owner_id), "pad", p.num_tokens,
                              p.start_position) for p in sched.padding]
         sim_start = sim_end = None
         if self.cost_model is not None:

@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minibatch_engine.attention import (AttentionMetadata, BatchMetadata, get_attention_backend)
-from minibatch_engine.attention.backend import triton_available
+from minibatch_engine.attention.registry import triton_available
 from minibatch_engine.attention.cpu_kernel import cpu_kernel_available
 from minibatch_engine.attention.sdpa import SdpaBackend, length_buckets
 from minibatch_engine.kv import PagedKVCache

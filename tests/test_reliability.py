@@ -282,3 +282,57 @@ def test_metrics_of_a_request_aborted_before_its_first_token(tiny32):
     m = request_metrics(queued, engine.trace)
     assert (m.num_output_tokens, m.ttft_steps, m.queue_steps, m.itl_steps) == (0, None, None, [])
     assert request_metrics(first, engine.trace).ttft_steps == 1
+
+
+# --- the scheduler/runner boundary: plain data (issue 25) ---------------------------------------
+PLAIN = (int, float, str, bool, type(None))
+
+
+def assert_plain(value, where="SchedulerOutput"):
+    """Only ints, floats, strings, lists, tuples, dicts and dataclasses of those."""
+    if isinstance(value, PLAIN):
+        return
+    if isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            assert_plain(v, f"{where}[{i}]")
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            assert_plain(k, where)
+            assert_plain(v, f"{where}[{k!r}]")
+    elif dataclasses.is_dataclass(value):
+        for f in dataclasses.fields(value):
+            assert_plain(getattr(value, f.name), f"{where}.{f.name}")
+    else:
+        raise AssertionError(f"{where} holds a {type(value).__name__}: not plain data")
+
+
+@pytest.mark.parametrize("options", [
+    dict(scheduler="static"),
+    dict(max_num_batched_tokens=8, preemption_mode="swap", swap_space_bytes=2**20, num_kv_blocks=12,
+         watermark=0.0, speculative=SpeculativeConfig("ngram", 2)),
+])
+def test_scheduler_outputs_are_plain_data_and_survive_pickle(tiny64, options):
+    import pickle
+    engine = Engine(tiny64, max_num_seqs=4, max_model_len=48, block_size=4, **options)
+    seen, execute = [], engine.runner.execute
+
+    def checked(sched):
+        assert_plain(sched)
+        copy = pickle.loads(pickle.dumps(sched))
+        assert copy == sched
+        seen.append(sched)
+        return execute(copy)               # the runner computes from the copy: nothing shared
+    engine.runner.execute = checked
+    n = 2 if options.get("scheduler") != "static" else 1
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11], [7, 7, 7, 7]]
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=14, n=n, ignore_eos=True)) for p in prompts]
+    engine.run()
+    assert seen and any(s.scheduled and s.scheduled[0].block_table for s in seen)
+    if n > 1:                              # forks, proposals and preemptions all crossed the boundary
+        assert any(x.forks for s in seen for x in s.scheduled)
+        assert any(x.spec_token_ids for s in seen for x in s.scheduled) and any(s.preempted for s in seen)
+    else:
+        assert any(s.padding for s in seen)
+    for r, p in zip(reqs, prompts):
+        for sample in engine.samples_of(r.request_id):
+            assert sample.output_token_ids == reference_generate(tiny64, p, 14)

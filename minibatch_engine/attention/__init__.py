@@ -1,9 +1,10 @@
 """Attention over ragged batches: one backend interface, metadata built once per
-step by the backend that reads it, and three implementations (reference, sdpa,
-triton; see :mod:`minibatch_engine.attention.backend`)."""
-from .backend import BACKENDS, AttentionBackend, get_attention_backend
-from .metadata import AttentionGroup, AttentionMetadata, BatchMetadata
-from .reference import ReferenceBackend, ragged_attention
+step by the backend that reads it, and implementations chosen by name
+(reference, sdpa, cpp, triton; see :mod:`minibatch_engine.attention.registry`)."""
+from .backend import AttentionBackend
+from .metadata import BatchMetadata
+from .reference import AttentionGroup, AttentionMetadata, ReferenceBackend
+from .registry import BACKENDS, get_attention_backend
 
 __all__ = ["AttentionBackend", "get_attention_backend", "BACKENDS", "BatchMetadata",
-           "AttentionMetadata", "AttentionGroup", "ReferenceBackend", "ragged_attention"]
+           "AttentionMetadata", "AttentionGroup", "ReferenceBackend"]

@@ -1,4 +1,5 @@
-"""One interface for every attention implementation, and the choice between them.
+"""One interface for every attention implementation (the choice between them
+is :mod:`.registry`'s).
 
 An attention backend does two things. Once per step, on the host,
 ``build_metadata`` turns the batch's lengths and block tables into whatever
@@ -18,16 +19,12 @@ sdpa).
 """
 from __future__ import annotations
 
-import importlib.util
 from abc import ABC, abstractmethod
 from typing import Sequence
 
 import torch
 
 from .metadata import BatchMetadata
-
-BACKENDS = ("reference", "sdpa", "cpp", "triton", "auto")
-
 
 class AttentionBackend(ABC):
     """Builds a step's metadata and runs attention over it (see the module docstring)."""
@@ -71,44 +68,3 @@ class AttentionBackend(ABC):
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
-
-
-def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
-
-
-def get_attention_backend(name: str = "auto", device: torch.device | str = "cpu") -> AttentionBackend:
-    """The backend called ``name`` for a model on ``device``.
-
-    ``"auto"``: ``"triton"`` on CUDA when triton is installed; on a CPU ``"cpp"``
-    when the C++ kernel builds here; otherwise ``"sdpa"``.
-    """
-    dev = torch.device(device)
-    if name == "auto":
-        if dev.type == "cuda" and triton_available():
-            name = "triton"
-        else:
-            from .cpu_kernel import cpu_kernel_available
-            name = "cpp" if dev.type == "cpu" and cpu_kernel_available() else "sdpa"
-    if name == "reference":
-        from .reference import REFERENCE
-        return REFERENCE
-    if name == "sdpa":
-        from .sdpa import SdpaBackend
-        return SdpaBackend()
-    if name == "cpp":
-        if dev.type != "cpu":
-            raise ValueError(f'attention backend "cpp" runs on the CPU, not {dev.type}; use "auto"')
-        from .cpu_kernel import KernelUnavailable
-        from .cpp_backend import CppBackend
-        try:
-            return CppBackend()
-        except KernelUnavailable as e:
-            raise ValueError(f'attention backend "cpp" is unavailable here: {e} (pick "sdpa" or "auto")') from None
-    if name == "triton":
-        if not triton_available():
-            raise ValueError('attention backend "triton" needs the triton package: '
-                             'pip install -e ".[triton]" (or pick "sdpa" / "auto")')
-        from .triton_backend import TritonBackend
-        return TritonBackend(dev)
-    raise ValueError(f"unknown attention backend {name!r}; known: {', '.join(BACKENDS)}")

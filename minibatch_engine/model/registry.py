@@ -12,10 +12,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from .config import PRESETS
-from .loader import CheckpointError
+from .loader import CheckpointError, load_model
 from .tokenizer import TOKENIZER_KEY, ByteTokenizer, HFTokenizer, load_tokenizer
 from .trained import TRAINED_MODELS, trained_model_path
-from .transformer import Transformer
+from .transformer import Transformer, build_model
 
 BUILT_IN = ("tiny",)
 
@@ -38,8 +38,6 @@ def tokenizer_for(source) -> ByteTokenizer | HFTokenizer | None:
 def resolve_model(model="tiny", device="auto", dtype="float32", seed: int = 0) -> Transformer:
     """Build or load the model named by ``model``; the result remembers its
     source as ``model.source`` (for :func:`tokenizer_for`)."""
-    from . import build_model
-    from .loader import load_model
     if isinstance(model, Transformer):
         return model
     if not isinstance(model, (str, Path)):

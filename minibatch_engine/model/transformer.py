@@ -20,8 +20,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import BatchMetadata
+from ..device import resolve_device, resolve_dtype
+from ..inputs import check_seed
 from . import fused
-from .config import ModelConfig
+from .config import ModelConfig, get_preset
 
 
 class RMSNorm(nn.Module):
@@ -179,4 +181,19 @@ def init_random(model: Transformer, seed: int = 0, std: float = 0.02) -> Transfo
             else:
                 values = torch.randn(p.shape, generator=gen) * std
             p.copy_(values.to(p.dtype))
+    return model
+
+
+def build_model(config: ModelConfig | str = "tiny", device: str | torch.device = "auto",
+                dtype: str | torch.dtype = "float32", seed: int = 0) -> Transformer:
+    """A model with seeded random weights (the built-in ``tiny`` preset by default).
+
+    Weights are drawn on the CPU in float32 with ``seed``, so the same preset gives
+    the same model on every machine, then moved to ``device`` and ``dtype``.
+    """
+    cfg = get_preset(config) if isinstance(config, str) else config
+    check_seed(seed, "seed (of the model's random weights)")
+    model = init_random(Transformer(cfg), seed=seed)
+    model = model.to(device=resolve_device(device), dtype=resolve_dtype(dtype)).eval()
+    model.source = cfg.name if cfg.name == "tiny" else None   # where its tokenizer comes from
     return model

@@ -10,7 +10,8 @@ sampled token ids, which the scheduler needs.
 The runner owns the sampling state: one ``torch.Generator`` per seeded request,
 keyed by request id and dropped when the scheduler reports the request
 finished, so a seeded request draws the same tokens whatever it is batched
-with. It reads requests and never changes them.
+with. It never sees a request: the SchedulerOutput carries the token ids,
+positions, block tables and sampling parameters it needs.
 
 On CUDA with the ``"triton"`` backend, decode-only steps replay a CUDA graph
 (:mod:`.cuda_graphs`) instead of launching every kernel from Python; the
@@ -29,9 +30,9 @@ from ..attention import get_attention_backend
 from ..attention.metadata import long_tensor
 from ..model.config import PAD_ID
 from ..sampling import sample, sampling_probs
-from ..scheduler.base import SchedulerOutput
+from ..outputs import RunnerOutput, SchedulerOutput
 from ..speculative.verify import rejection_sample, verify_greedy
-from .base import Runner, RunnerOutput
+from .base import Runner
 from .prepack import prepack_linear_weights
 
 
@@ -65,21 +66,20 @@ class ModelRunner(Runner):
         query_lens, seq_lens, tables = [], [], []
         logits_rows: list[int] = []
         spec = any(s.spec_token_ids for s in sched.scheduled)
-        block_table = self.kv_cache.block_table
         for s in sched.scheduled:
-            n, start, r = s.num_tokens, s.start, s.request
+            n, start = s.num_tokens, s.start
             if spec:
                 end = len(ids) + n
                 logits_rows += range(end - 1 - s.num_spec_tokens, end)
-            if n == 1 and not s.spec_token_ids:      # a decode: its one known token
-                ids.append(r.all_token_ids[start])
+            if n == 1:                               # a decode: its one known token
+                ids.append(s.token_ids[0])
                 positions.append(start)
             else:
                 ids += s.token_ids
                 positions += range(start, start + n)
             query_lens.append(n)
             seq_lens.append(start + n)
-            tables.append(block_table(r.request_id))
+            tables.append(s.block_table)
         null = self.kv_cache.pool.null_block
         for p in sched.padding:
             logits_rows.append(len(ids) + p.num_tokens - 1)
@@ -100,14 +100,13 @@ class ModelRunner(Runner):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _generator(self, request) -> torch.Generator | None:
+    def _generator(self, request_id: str, params) -> torch.Generator | None:
         """The request's own RNG, created from its seed on first use (None: unseeded)."""
-        seed = request.sampling_params.seed
-        if seed is None:
+        if params.seed is None:
             return None
-        gen = self.generators.get(request.request_id)
+        gen = self.generators.get(request_id)
         if gen is None:
-            gen = self.generators[request.request_id] = torch.Generator(device=self.device).manual_seed(seed)
+            gen = self.generators[request_id] = torch.Generator(device=self.device).manual_seed(params.seed)
         return gen
 
     @torch.no_grad()
@@ -120,9 +119,8 @@ class ModelRunner(Runner):
         t0 = time.perf_counter()
         if self.graphs is not None and self.graphs.can_run(sched):
             s_all = sched.scheduled
-            logits = self.graphs.run([s.request.all_token_ids[s.start] for s in s_all],
-                                     [s.start + 1 for s in s_all],
-                                     [self.kv_cache.block_table(s.request_id) for s in s_all])
+            logits = self.graphs.run([s.token_ids[0] for s in s_all], [s.start + 1 for s in s_all],
+                                     [s.block_table for s in s_all])
         else:
             input_ids, positions, meta = self.prepare_inputs(sched)
             t0 = time.perf_counter()
@@ -144,36 +142,35 @@ class ModelRunner(Runner):
                 row += k
             elif s.samples:
                 rows.append(row)
-                seqs.append(s.request)
-                for seq in s.forks:
+                seqs.append((s.request_id, s.sampling_params))
+                for fork in s.forks:
                     rows.append(row)
-                    seqs.append(seq)
+                    seqs.append((fork.request_id, fork.sampling_params))
             row += 1
         if rows:
             gens = []
-            for r in seqs:
+            for rid, params in seqs:
                 try:
-                    gens.append(self._generator(r))
+                    gens.append(self._generator(rid, params))
                 except (RuntimeError, ValueError) as e:
                     gens.append(None)
-                    out.errors[r.request_id] = f"its seed could not start a generator: {e}"
+                    out.errors[rid] = f"its seed could not start a generator: {e}"
             # Every row in order, once each (no forks, no proposals): sample the logits as they are.
             every_row = rows == list(range(logits.shape[0]))
             errors: dict[int, str] = {}
-            tokens = sample(logits if every_row else logits[rows], [r.sampling_params for r in seqs],
-                            gens, errors).tolist()
-            for i, (r, t) in enumerate(zip(seqs, tokens)):
+            tokens = sample(logits if every_row else logits[rows], [p for _, p in seqs], gens, errors).tolist()
+            for i, ((rid, _), t) in enumerate(zip(seqs, tokens)):
                 if i in errors:
-                    out.errors.setdefault(r.request_id, errors[i])
-                elif r.request_id not in out.errors:
-                    out.sampled_token_ids[r.request_id] = [t]
+                    out.errors.setdefault(rid, errors[i])
+                elif rid not in out.errors:
+                    out.sampled_token_ids[rid] = [t]
         out.forward_s, out.sample_s = t1 - t0, time.perf_counter() - t1
         return out
 
     def _verify(self, s, logits: torch.Tensor) -> list[int]:
         """Accepted proposals plus one token from the target (chapter 9)."""
-        p = s.request.sampling_params
+        p = s.sampling_params
         if p.greedy:
             return verify_greedy(torch.argmax(logits, dim=-1).tolist(), s.spec_token_ids)
         probs = torch.stack([sampling_probs(row, p) for row in logits])
-        return rejection_sample(probs, s.spec_token_ids, generator=self._generator(s.request))
+        return rejection_sample(probs, s.spec_token_ids, generator=self._generator(s.request_id, p))

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import random
 
-from ..scheduler.base import SchedulerOutput
-from .base import Runner, RunnerOutput, sampling_rows
+from ..outputs import RunnerOutput, SchedulerOutput
+from .base import Runner
 
 
 class SimRunner(Runner):
@@ -23,10 +23,12 @@ class SimRunner(Runner):
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         out = RunnerOutput()
-        for _, s in sampling_rows(sched):
+        for s in sched.scheduled:
+            if not s.samples:
+                continue
             accepted = 0
             while accepted < s.num_spec_tokens and self.rng.random() < self.acceptance_rate:
                 accepted += 1
-            for seq in [s.request, *s.forks]:
-                out.sampled_token_ids[seq.request_id] = s.spec_token_ids[:accepted] + [self.token_id]
+            for rid in [s.request_id, *(f.request_id for f in s.forks)]:
+                out.sampled_token_ids[rid] = s.spec_token_ids[:accepted] + [self.token_id]
         return out

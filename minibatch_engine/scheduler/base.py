@@ -2,8 +2,9 @@
 
 Every step the engine calls, in this order:
 
-1. :meth:`Scheduler.schedule` -> :class:`SchedulerOutput`: who runs, how many
-   tokens each computes (a snapshot: the runner reads it, never changes it);
+1. :meth:`Scheduler.schedule` -> :class:`~minibatch_engine.outputs.SchedulerOutput`:
+   who runs, how many tokens each computes, and what the runner needs to
+   compute them (plain data: token ids, positions, block tables);
 2. the model runner executes it and returns the sampled tokens;
 3. :meth:`Scheduler.update_from_output`: the scheduler advances
    ``num_computed_tokens``, tells the KV manager which tokens now have K/V,
@@ -17,139 +18,23 @@ Every step the engine calls, in this order:
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Iterable
+from dataclasses import replace
+from typing import Iterable
 
+from ..outputs import Fork, RunnerOutput, SchedulerOutput
 from ..request import FinishReason, Request, RequestStatus
-
-if TYPE_CHECKING:
-    from ..runner.base import RunnerOutput
 
 # Sample k of an n > 1 request is "<parent id>#<k>"; the engine keeps user ids out of this form.
 SAMPLE_ID = re.compile(r".*#\d+", re.DOTALL)
 
 
-@dataclass(slots=True)
-class ScheduledRequest:
-    """``num_tokens`` of ``request``'s tokens, from position ``start`` on.
-
-    Built by the scheduler and read-only afterwards: ``start`` is the request's
-    ``num_computed_tokens`` when it was scheduled, ``samples`` says whether this
-    step computes its last known token (then a new token is sampled), and
-    ``forks`` lists the samples of an ``n > 1`` request that are forked from the
-    same logits. ``spec_token_ids``: the proposed tokens among the
-    ``num_tokens`` (after the known ones), verified by this step (chapter 9).
-    """
-    request: Request
-    num_tokens: int
-    start: int = -1
-    samples: bool = False
-    forks: list[Request] = field(default_factory=list)
-    spec_token_ids: list[int] = field(default_factory=list)
-
-    def __post_init__(self):
-        r = self.request
-        if self.start < 0:
-            self.start = r.num_computed_tokens
-        end, known = self.start + self.num_tokens, r.num_tokens
-        self.samples = end >= known
-        if r.spec_token_ids:
-            self.spec_token_ids = r.spec_token_ids[:max(0, end - known)]
-
-    @property
-    def num_spec_tokens(self) -> int:
-        return len(self.spec_token_ids)
-
-    @property
-    def token_ids(self) -> list[int]:
-        """The tokens this step computes: known ones, then the proposals."""
-        end = self.start + self.num_tokens - self.num_spec_tokens
-        return self.request.all_token_ids[self.start:end] + self.spec_token_ids
-
-    @property
-    def is_prefill(self) -> bool:
-        """True for prompt work (a whole prompt or a chunk of it) and for the
-        multi-token recompute of a request resuming after preemption."""
-        return self.num_tokens - len(self.spec_token_ids) > 1 or self.start < len(self.request.prompt_token_ids)
-
-    @property
-    def request_id(self) -> str:
-        return self.request.request_id
+def sample_id(parent_id: str, k: int) -> str:
+    return f"{parent_id}#{k}"
 
 
-@dataclass
-class PaddingWork:
-    """Compute spent on no request's behalf: pad tokens of a padded batch.
-
-    ``block_table=None`` writes the pad K/V into the pool's null block.
-    ``owner`` is the request whose lane the padding fills (for the trace).
-    """
-    num_tokens: int
-    start_position: int
-    owner: Request
-    block_table: list[int] | None = None
-
-
-@dataclass(frozen=True)
-class Preemption:
-    """A running request whose KV memory was taken this step."""
-    request_id: str
-    mode: str              # "recompute" or "swap"
-    num_bytes: int = 0     # KV bytes copied to host memory (swap)
-    for_request_id: str | None = None   # the request it made room for (None: itself)
-
-
-@dataclass(frozen=True)
-class SwapIn:
-    """A swapped-out request whose KV blocks were copied back this step."""
-    request_id: str
-    num_bytes: int
-
-
-@dataclass
-class SchedulerOutput:
-    scheduled: list[ScheduledRequest] = field(default_factory=list)
-    padding: list[PaddingWork] = field(default_factory=list)
-    step: int = 0                    # index of the step (the trace's row)
-    batch_id: int | None = None      # static batching numbers its batches
-    preempted: list[Preemption] = field(default_factory=list)
-    swapped_in: list[SwapIn] = field(default_factory=list)
-    # requests that ended since the last step: the runner drops their sampling state
-    finished_request_ids: list[str] = field(default_factory=list)
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.scheduled and not self.padding
-
-    @property
-    def num_scheduled_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
-
-    @property
-    def num_padding_tokens(self) -> int:
-        return sum(p.num_tokens for p in self.padding)
-
-    @property
-    def swap_bytes(self) -> int:
-        """KV bytes copied between host and device this step, both ways."""
-        return sum(p.num_bytes for p in self.preempted) + sum(s.num_bytes for s in self.swapped_in)
-
-    @property
-    def num_spec_tokens(self) -> int:
-        """Proposed tokens this step verifies (speculative decoding)."""
-        return sum(s.num_spec_tokens for s in self.scheduled)
-
-    @property
-    def num_logits_rows(self) -> int:
-        """Rows of logits the step needs: one per sequence, plus one per proposed token."""
-        return len(self.scheduled) + len(self.padding) + self.num_spec_tokens
-
-    def sequence_shapes(self) -> list[tuple[int, int]]:
-        """(new tokens, context length after the step) of every sequence the step
-        computes, padding included: what a cost model needs."""
-        shapes = [(s.num_tokens, s.start + s.num_tokens) for s in self.scheduled]
-        shapes += [(p.num_tokens, p.start_position + p.num_tokens) for p in self.padding]
-        return shapes
+def sample_params(p, k: int):
+    """Sample ``k``'s parameters: one sequence, seeded ``seed + k``."""
+    return replace(p, n=1, seed=None if p.seed is None else p.seed + k)
 
 
 class Scheduler:
@@ -190,23 +75,26 @@ class Scheduler:
         out.step = self.num_steps
         self.num_steps += 1
         out.finished_request_ids, self._finished_ids = self._finished_ids, []
+        block_table = self.kv_cache.block_table
         for s in out.scheduled:
-            r = s.request
+            r = self.requests[s.request_id]
             if r.first_scheduled_step is None:
                 r.first_scheduled_step = out.step
             if s.samples and r.awaits_fork:
-                s.forks = [self._make_sample(r, k) for k in range(1, r.sampling_params.n)]
+                s.forks = [Fork(sample_id(r.request_id, k), sample_params(r.sampling_params, k))
+                           for k in range(1, r.sampling_params.n)]
+            s.block_table = list(block_table(s.request_id))
         return out
 
-    def update_from_output(self, sched: SchedulerOutput, out: "RunnerOutput") -> list[Request]:
+    def update_from_output(self, sched: SchedulerOutput, out: RunnerOutput) -> list[Request]:
         """Advance every scheduled request by what the step computed and sampled;
         returns the requests (and forked samples) that finished in it."""
         finished: list[Request] = []
         mark_computed, sampled, step = self.kv_cache.mark_computed, out.sampled_token_ids, sched.step
         errors = out.errors
         for s in sched.scheduled:
-            r = s.request
-            if r.is_finished:             # ended from outside since it was scheduled
+            r = self.requests.get(s.request_id)
+            if r is None or r.is_finished:      # ended from outside since it was scheduled
                 continue
             if errors and s.spec_token_ids and r.request_id in errors:
                 r.spec_token_ids = []
@@ -219,9 +107,8 @@ class Scheduler:
                 mark_computed(r.request_id, r.all_token_ids, r.num_computed_tokens, s.start)
             if not s.samples:
                 continue
-            for child in s.forks:
-                self._fork(r, child)
-            for seq in (r, *s.forks):
+            forks = [self._fork(r, k) for k in range(1, len(s.forks) + 1)]
+            for seq in (r, *forks):
                 if errors and seq.request_id in errors:
                     finished += self._fail([seq], errors, step)
                     continue
@@ -242,7 +129,7 @@ class Scheduler:
             self._end(seq)
         return seqs
 
-    def _verified(self, r: Request, s: ScheduledRequest, sampled: list[int]) -> None:
+    def _verified(self, r: Request, s, sampled: list[int]) -> None:
         """Speculative rollback. ``sampled`` is the accepted prefix of the proposals
         plus one token from the target, so only ``len(sampled) - 1`` proposals
         count as computed: the K/V slots of the rejected ones are given back (the
@@ -316,20 +203,17 @@ class Scheduler:
         return [req, *(self.requests[c] for c in req.child_ids)]
 
     # --- parallel sampling ------------------------------------------------------
-    def _make_sample(self, parent: Request, k: int) -> Request:
-        """Sample ``k`` of an n > 1 request: the same prompt, seed ``seed + k``."""
-        p = parent.sampling_params
-        return Request(f"{parent.request_id}#{k}", parent.prompt_token_ids,
-                       replace(p, n=1, seed=None if p.seed is None else p.seed + k),
-                       prompt=parent.prompt, eos_token_id=parent.eos_token_id,
-                       priority=parent.priority, client_id=parent.client_id,
-                       parent_id=parent.request_id, arrival_step=parent.arrival_step,
-                       arrival_time=dict(parent.arrival_time),
-                       first_scheduled_step=parent.first_scheduled_step)
-
-    def _fork(self, parent: Request, child: Request) -> None:
-        """The prompt was prefilled once; the sample shares its KV blocks
+    def _fork(self, parent: Request, k: int) -> Request:
+        """Sample ``k`` of an n > 1 request: the same prompt, seed ``seed + k``.
+        The prompt was prefilled once; the sample shares its KV blocks
         (copy-on-write) and runs from now on."""
+        child = Request(sample_id(parent.request_id, k), parent.prompt_token_ids,
+                        sample_params(parent.sampling_params, k),
+                        prompt=parent.prompt, eos_token_id=parent.eos_token_id,
+                        priority=parent.priority, client_id=parent.client_id,
+                        parent_id=parent.request_id, arrival_step=parent.arrival_step,
+                        arrival_time=dict(parent.arrival_time),
+                        first_scheduled_step=parent.first_scheduled_step)
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_cached_tokens = parent.num_cached_tokens
         self.requests[child.request_id] = child
@@ -337,6 +221,7 @@ class Scheduler:
         self.kv_cache.fork(parent.request_id, child.request_id)
         child.status = RequestStatus.RUNNING
         self._add_running(child)
+        return child
 
     def _end(self, request: Request) -> None:
         self._finished_ids.append(request.request_id)

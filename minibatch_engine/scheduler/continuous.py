@@ -34,7 +34,8 @@ from collections import deque
 from dataclasses import replace
 
 from ..request import Request, RequestStatus
-from .base import ScheduledRequest, Scheduler, SchedulerOutput
+from ..outputs import ScheduledRequest, SchedulerOutput
+from .base import Scheduler
 from .policy import FCFSPolicy, SchedulingPolicy
 from .preemption import Preemptor
 
@@ -183,7 +184,7 @@ class ContinuousScheduler(Scheduler):
                     if victim is req:
                         break
         granted = step.granted
-        step.out.scheduled = [ScheduledRequest(r, granted[id(r)]) for r in self.running if id(r) in granted]
+        step.out.scheduled = [ScheduledRequest.of(r, granted[id(r)]) for r in self.running if id(r) in granted]
 
     def _schedule_swapped(self, step: "_Step") -> None:
         """Swapped-out requests come back first, when memory allows (and nobody was
@@ -198,7 +199,7 @@ class ContinuousScheduler(Scheduler):
             n = self._grant(req, step.budget)
             if n and self.kv_cache.allocate(req.request_id, req.num_computed_tokens + n, req.num_computed_tokens):
                 step.grant(req, n, n > 1)
-                step.out.scheduled.append(ScheduledRequest(req, n))
+                step.out.scheduled.append(ScheduledRequest.of(req, n))
 
     def _waiting_outranks(self, swapped: Request) -> bool:
         """Under a policy that orders swapped-out requests too, a better waiting
@@ -231,7 +232,7 @@ class ContinuousScheduler(Scheduler):
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             step.grant(req, n, n < req.num_tokens - req.num_computed_tokens)
-            step.out.scheduled.append(ScheduledRequest(req, n))
+            step.out.scheduled.append(ScheduledRequest.of(req, n))
 
     def _preempt_for(self, req: Request, step: "_Step") -> bool:
         """Preempt the running request the policy names to make room for waiting
@@ -240,7 +241,7 @@ class ContinuousScheduler(Scheduler):
         if victim is None:
             return False
         step.budget += step.granted.pop(id(victim), 0)
-        step.out.scheduled = [s for s in step.out.scheduled if s.request is not victim]
+        step.out.scheduled = [s for s in step.out.scheduled if s.request_id != victim.request_id]
         step.out.preempted.append(self._preempt(victim, req))
         return True
 

@@ -51,7 +51,6 @@ from __future__ import annotations
 import itertools
 from typing import Callable, Sequence
 
-from ..config import POLICIES
 from ..request import Request
 
 
@@ -263,6 +262,9 @@ class FairSharePolicy(SchedulingPolicy):
     def select(self, waiting):
         # The client with the lowest counter; its earliest request.
         return min(waiting, key=self.key)
+
+
+POLICIES = ("fcfs", "priority", "fair")     # the names make_policy takes (EngineConfig.policy)
 
 
 def make_policy(name: str, priority_aging_s: float | None = None,

@@ -19,18 +19,18 @@ Either way the request's tokens are exactly those of a run with no preemption.
 from __future__ import annotations
 
 from ..request import Request, RequestStatus
-from .base import Preemption, SwapIn
+from ..outputs import Preemption, SwapIn
 
-VICTIM_POLICIES = ("latest", "most_blocks")
-MODES = ("recompute", "swap")
+PREEMPTION_MODES = ("recompute", "swap")
+VICTIMS = ("latest", "most_blocks")
 
 
 class Preemptor:
     def __init__(self, kv_cache, mode: str = "recompute", swap_space=None, victim: str = "latest"):
-        if mode not in MODES:
-            raise ValueError(f"preemption mode must be one of {MODES}, got {mode!r}")
-        if victim not in VICTIM_POLICIES:
-            raise ValueError(f"victim policy must be one of {VICTIM_POLICIES}, got {victim!r}")
+        if mode not in PREEMPTION_MODES:
+            raise ValueError(f"preemption mode must be one of {PREEMPTION_MODES}, got {mode!r}")
+        if victim not in VICTIMS:
+            raise ValueError(f"victim policy must be one of {VICTIMS}, got {victim!r}")
         if mode == "swap" and swap_space is None:
             raise ValueError("swap preemption needs a swap space")
         self.kv_cache, self.mode, self.swap_space, self.victim = kv_cache, mode, swap_space, victim

@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections import deque
 
 from ..request import Request, RequestStatus
-from .base import PaddingWork, ScheduledRequest, Scheduler, SchedulerOutput
+from ..outputs import PaddingWork, ScheduledRequest, SchedulerOutput
+from .base import Scheduler
 
 
 class StaticScheduler(Scheduler):
@@ -77,25 +78,26 @@ class StaticScheduler(Scheduler):
         out = SchedulerOutput(batch_id=self.batch_id)
         if not self.batch:
             return out
+        table = lambda rid: list(self.kv_cache.block_table(rid))    # noqa: E731 (a copy: plain data)
         if all(r.num_computed_tokens == 0 for r in self.batch):
             # Prefill: every lane computes max(prompt) tokens; short prompts are padded.
             longest = max(r.num_prompt_tokens for r in self.batch)
             for r in self.batch:
                 if r.is_finished:           # ended before its prefill: a pad lane
-                    out.padding.append(PaddingWork(longest, 0, r, self.kv_cache.block_table(r.request_id)))
+                    out.padding.append(PaddingWork(longest, 0, r.request_id, table(r.request_id)))
                     continue
                 r.status = RequestStatus.RUNNING
-                out.scheduled.append(ScheduledRequest(r, r.num_prompt_tokens))
+                out.scheduled.append(ScheduledRequest.of(r, r.num_prompt_tokens))
                 if r.num_prompt_tokens < longest:
-                    out.padding.append(PaddingWork(longest - r.num_prompt_tokens, 0, r))
+                    out.padding.append(PaddingWork(longest - r.num_prompt_tokens, 0, r.request_id))
             return out
         # Decode in lockstep: one token per lane, real or pad.
         for r in self.batch:
             if not r.is_finished:
                 self.kv_cache.allocate(r.request_id, r.num_tokens)
-                out.scheduled.append(ScheduledRequest(r, 1))
+                out.scheduled.append(ScheduledRequest.of(r, 1))
             else:
                 pos = self.next_position.setdefault(r.request_id, r.num_computed_tokens)
-                out.padding.append(PaddingWork(1, pos, r, self.kv_cache.block_table(r.request_id)))
+                out.padding.append(PaddingWork(1, pos, r.request_id, table(r.request_id)))
                 self.next_position[r.request_id] = pos + 1
         return out

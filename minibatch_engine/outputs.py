@@ -1,0 +1,159 @@
+"""What crosses between the scheduler and the model runner each step: plain data.
+
+:class:`SchedulerOutput` is the scheduler's decision, :class:`RunnerOutput` the
+runner's answer. Both hold only ints, strings, lists, tuples and small
+dataclasses of those (a :class:`~minibatch_engine.sampling.SamplingParams` is
+one): no ``Request``, no tensor, no KV manager. Each scheduled request carries
+what the runner needs to compute it (its token ids, positions, block table,
+sampling parameters), so the runner never reads a request, and a
+``SchedulerOutput`` survives a ``pickle`` round trip unchanged, as it would
+have to for a runner in another process (vLLM V1 sends its ``SchedulerOutput``
+to the workers the same way).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .sampling import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class Fork:
+    """A sample of an ``n > 1`` request, forked this step from its parent's logits."""
+    request_id: str
+    sampling_params: SamplingParams
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    """``num_tokens`` tokens of one request, from position ``start`` on.
+
+    ``token_ids``: the tokens this step computes (known ones, then the proposals
+    ``spec_token_ids`` it verifies, chapter 9). ``samples``: the step computes
+    the request's last known token, so a token is sampled; ``forks`` are the
+    samples of an ``n > 1`` request forked from the same logits.
+    ``block_table``: the request's KV blocks after this step's allocation (the
+    K/V of the new tokens go there). Built by the scheduler
+    (:meth:`of`), read-only afterwards.
+    """
+    request_id: str
+    num_tokens: int
+    start: int
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    samples: bool = False
+    spec_token_ids: list[int] = field(default_factory=list)
+    forks: list[Fork] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, request, num_tokens: int) -> "ScheduledRequest":
+        """A snapshot of ``request`` computing ``num_tokens`` tokens from its
+        ``num_computed_tokens`` on (the scheduler adds forks and block table)."""
+        start, known = request.num_computed_tokens, request.num_tokens
+        end = start + num_tokens
+        spec = request.spec_token_ids[:max(0, end - known)] if request.spec_token_ids else []
+        return cls(request.request_id, num_tokens, start,
+                   request.all_token_ids[start:end - len(spec)] + spec,
+                   request.num_prompt_tokens, request.sampling_params, end >= known, spec)
+
+    @property
+    def num_spec_tokens(self) -> int:
+        return len(self.spec_token_ids)
+
+    @property
+    def is_prefill(self) -> bool:
+        """True for prompt work (a whole prompt or a chunk of it) and for the
+        multi-token recompute of a request resuming after preemption."""
+        return self.num_tokens - len(self.spec_token_ids) > 1 or self.start < self.num_prompt_tokens
+
+
+@dataclass(slots=True)
+class PaddingWork:
+    """Compute spent on no request's behalf: pad tokens of a padded batch.
+
+    ``block_table=None`` writes the pad K/V into the pool's null block.
+    ``owner_id`` is the request whose lane the padding fills (for the trace).
+    """
+    num_tokens: int
+    start_position: int
+    owner_id: str
+    block_table: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class Preemption:
+    """A running request whose KV memory was taken this step."""
+    request_id: str
+    mode: str              # "recompute" or "swap"
+    num_bytes: int = 0     # KV bytes copied to host memory (swap)
+    for_request_id: str | None = None   # the request it made room for (None: itself)
+
+
+@dataclass(frozen=True)
+class SwapIn:
+    """A swapped-out request whose KV blocks were copied back this step."""
+    request_id: str
+    num_bytes: int
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    padding: list[PaddingWork] = field(default_factory=list)
+    step: int = 0                    # index of the step (the trace's row)
+    batch_id: int | None = None      # static batching numbers its batches
+    preempted: list[Preemption] = field(default_factory=list)
+    swapped_in: list[SwapIn] = field(default_factory=list)
+    # requests that ended since the last step: the runner drops their sampling state
+    finished_request_ids: list[str] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.padding
+
+    @property
+    def num_padding_tokens(self) -> int:
+        return sum(p.num_tokens for p in self.padding)
+
+    @property
+    def swap_bytes(self) -> int:
+        """KV bytes copied between host and device this step, both ways."""
+        return sum(p.num_bytes for p in self.preempted) + sum(s.num_bytes for s in self.swapped_in)
+
+    @property
+    def num_spec_tokens(self) -> int:
+        """Proposed tokens this step verifies (speculative decoding)."""
+        return sum(s.num_spec_tokens for s in self.scheduled)
+
+    @property
+    def num_logits_rows(self) -> int:
+        """Rows of logits the step needs: one per sequence, plus one per proposed token."""
+        return len(self.scheduled) + len(self.padding) + self.num_spec_tokens
+
+    def sequence_shapes(self) -> list[tuple[int, int]]:
+        """(new tokens, context length after the step) of every sequence the step
+        computes, padding included: what a cost model needs."""
+        shapes = [(s.num_tokens, s.start + s.num_tokens) for s in self.scheduled]
+        shapes += [(p.num_tokens, p.start_position + p.num_tokens) for p in self.padding]
+        return shapes
+
+
+@dataclass
+class RunnerOutput:
+    """The sampled tokens of every request (and forked sample) whose step computed
+    its last known token, keyed by request id (a list: one token per step today;
+    speculative decoding can accept several).
+
+    ``errors``: request id -> message, for a request whose sampling failed this
+    step; it has no entry in ``sampled_token_ids``, and the scheduler ends it
+    with finish reason ``error`` while the rest of the batch goes on."""
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)
+    forward_s: float = 0.0      # wall seconds in the model forward
+    sample_s: float = 0.0       # wall seconds in sampling (and the copy to host)
+
+    @property
+    def num_sampled_tokens(self) -> int:
+        return sum(map(len, self.sampled_token_ids.values()))
