@@ -23,7 +23,7 @@ import torch
 
 from .config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from .inputs import as_token_ids, check_arrival_time
-from .kv import PagedKVCache, ReservedKVCache, SwapSpace
+from .kv import HostKVPool, KVPool, PagedKVCache, ReservedKVCache, SwapSpace
 from .model.config import ModelConfig, get_preset
 from .request import FinishReason, Request
 from .outputs import RunnerOutput, SchedulerOutput
@@ -69,11 +69,9 @@ class Engine:
         device = model.device if model is not None else torch.device("meta")
         dtype = model.dtype if model is not None else torch.bfloat16
         self.kv_cache = self._make_kv_cache(dtype, device)
-        self.scheduler: Scheduler = self._make_scheduler(dtype, device)
+        self.scheduler: Scheduler = self._make_scheduler()
         spec = cfg.speculative
-        self.runner = (ModelRunner(model, self.kv_cache, attention_backend=cfg.attention_backend,
-                                   cuda_graphs=cfg.cuda_graphs, max_num_seqs=cfg.max_num_seqs,
-                                   max_model_len=cfg.max_model_len)
+        self.runner = (self._make_model_runner(model)
                        if model is not None else
                        SimRunner(acceptance_rate=spec.sim_acceptance_rate if spec else 0.0,
                                  seed=spec.seed if spec else 0))
@@ -113,13 +111,25 @@ class Engine:
                 raise ValueError(f"a KV budget of {budget} bytes holds no row of {cfg.max_model_len} tokens "
                                  f"({per_token * cfg.max_model_len} bytes); raise kv_budget_bytes or lower "
                                  "max_model_len")
-            return ReservedKVCache(mc, rows, cfg.max_model_len, dtype, device)
+            return ReservedKVCache(mc, rows, cfg.max_model_len, dtype)
         blocks = cfg.num_kv_blocks if cfg.num_kv_blocks is not None else budget // (per_token * cfg.block_size)
         if blocks < 1:
             raise ValueError(f"a KV budget of {budget} bytes holds no block of {cfg.block_size} tokens; "
                              "raise kv_budget_bytes or lower block_size")
-        return PagedKVCache(mc, blocks, cfg.block_size, dtype, device,
+        return PagedKVCache(mc, blocks, cfg.block_size, dtype,
                             enable_prefix_caching=cfg.enable_prefix_caching, watermark=cfg.watermark)
+
+    def _make_model_runner(self, model) -> ModelRunner:
+        """The runner, with the tensors the scheduler's bookkeeping stands for: the
+        KV pool on the model's device and, for swap preemption, its host pool."""
+        cfg = self.config
+        pool = KVPool.for_cache(self.kv_cache, model.config, model.dtype, model.device)
+        swap = getattr(self.scheduler, "preemptor", None) and self.scheduler.preemptor.swap_space
+        host = (HostKVPool(model.config, swap.num_blocks, cfg.block_size, model.dtype, model.device.type)
+                if swap else None)
+        return ModelRunner(model, pool, host_pool=host, attention_backend=cfg.attention_backend,
+                           cuda_graphs=cfg.cuda_graphs, max_num_seqs=cfg.max_num_seqs,
+                           max_model_len=cfg.max_model_len)
 
     def _make_proposer(self, model):
         """Speculative decoding's proposer, and the roofline that prices a draft model
@@ -152,14 +162,13 @@ class Engine:
         num_blocks = -(-tokens // bs) + cfg.max_num_seqs * (-(-spec.num_speculative_tokens // bs) + 1)
         return DraftModelProposer(draft, spec.num_speculative_tokens, num_blocks, bs, cfg.attention_backend)
 
-    def _make_scheduler(self, dtype, device) -> Scheduler:
+    def _make_scheduler(self) -> Scheduler:
         cfg = self.config
         if cfg.scheduler == "static":
             return StaticScheduler(self.kv_cache, cfg.max_num_seqs, cfg.max_model_len)
         swap = None
         if cfg.preemption_mode == "swap":
-            swap = SwapSpace(self.model_config, cfg.swap_space_bytes // self.kv_cache.pool.bytes_per_block,
-                             cfg.block_size, dtype, device.type)
+            swap = SwapSpace(cfg.swap_space_bytes // self.kv_cache.bytes_per_block, self.kv_cache.bytes_per_block)
         return ContinuousScheduler(
             self.kv_cache, cfg.max_num_seqs, cfg.max_model_len,
             max_num_batched_tokens=cfg.max_num_batched_tokens, enable_chunked_prefill=cfg.enable_chunked_prefill,
@@ -275,6 +284,8 @@ class Engine:
         draft = self._propose()
         sched = self.scheduler.schedule(now=self.now())
         if sched.is_empty:
+            if sched.block_copies:              # e.g. a lone request swapped itself out
+                self.runner.execute(sched)
             self._wait_for_arrival()
             return []
         result = self.runner.execute(sched)
@@ -327,7 +338,7 @@ class Engine:
             else:
                 lanes.append(LaneRecord(rid, first_block(rid), "decode", n, s.start))
         lanes += [LaneRecord(p.owner_id, first_block(p.owner_id), "pad", p.num_tokens,
-                             p.start_position) for p in sched.padding]
+                             p.start) for p in sched.padding]
         sim_start = sim_end = None
         if self.cost_model is not None:
             sim_start = started[1]

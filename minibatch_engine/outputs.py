@@ -29,9 +29,9 @@ class ScheduledRequest:
     """``num_tokens`` tokens of one request, from position ``start`` on.
 
     ``token_ids``: the tokens this step computes (known ones, then the proposals
-    ``spec_token_ids`` it verifies, chapter 9). ``samples``: the step computes
-    the request's last known token, so a token is sampled; ``forks`` are the
-    samples of an ``n > 1`` request forked from the same logits.
+    ``spec_token_ids`` it verifies, chapter 9). ``samples_token``: the step
+    computes the request's last known token, so a token is sampled; ``forks``
+    are the samples of an ``n > 1`` request forked from the same logits.
     ``block_table``: the request's KV blocks after this step's allocation (the
     K/V of the new tokens go there). Built by the scheduler
     (:meth:`of`), read-only afterwards.
@@ -42,7 +42,7 @@ class ScheduledRequest:
     token_ids: list[int]
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    samples: bool = False
+    samples_token: bool = False
     spec_token_ids: list[int] = field(default_factory=list)
     forks: list[Fork] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
@@ -69,6 +69,17 @@ class ScheduledRequest:
         return self.num_tokens - len(self.spec_token_ids) > 1 or self.start < self.num_prompt_tokens
 
 
+@dataclass(frozen=True, slots=True)
+class BlockCopy:
+    """One KV block the runner copies before the step's forward: ``"copy"``
+    (device to device: copy-on-write of a shared block), ``"swap_out"``
+    (device block ``src`` to host block ``dst``) or ``"swap_in"`` (host block
+    ``src`` to device block ``dst``)."""
+    kind: str
+    src: int
+    dst: int
+
+
 @dataclass(slots=True)
 class PaddingWork:
     """Compute spent on no request's behalf: pad tokens of a padded batch.
@@ -77,7 +88,7 @@ class PaddingWork:
     ``owner_id`` is the request whose lane the padding fills (for the trace).
     """
     num_tokens: int
-    start_position: int
+    start: int
     owner_id: str
     block_table: list[int] | None = None
 
@@ -108,10 +119,19 @@ class SchedulerOutput:
     swapped_in: list[SwapIn] = field(default_factory=list)
     # requests that ended since the last step: the runner drops their sampling state
     finished_request_ids: list[str] = field(default_factory=list)
+    # KV blocks the runner copies before the forward, in the order the scheduler decided them
+    block_copies: list[BlockCopy] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
+        """Nothing to compute (there may still be block copies to carry out)."""
         return not self.scheduled and not self.padding
+
+    def blocks_to(self, kind: str) -> list[tuple[int, int]]:
+        """(src, dst) of this step's block copies of one kind: ``"copy"``,
+        ``"swap_out"`` or ``"swap_in"`` (vLLM V0's ``blocks_to_copy``,
+        ``blocks_to_swap_out``, ``blocks_to_swap_in``)."""
+        return [(c.src, c.dst) for c in self.block_copies if c.kind == kind]
 
     @property
     def num_padding_tokens(self) -> int:
@@ -136,7 +156,7 @@ class SchedulerOutput:
         """(new tokens, context length after the step) of every sequence the step
         computes, padding included: what a cost model needs."""
         shapes = [(s.num_tokens, s.start + s.num_tokens) for s in self.scheduled]
-        shapes += [(p.num_tokens, p.start_position + p.num_tokens) for p in self.padding]
+        shapes += [(p.num_tokens, p.start + p.num_tokens) for p in self.padding]
         return shapes
 
 

@@ -54,6 +54,7 @@ class Request:
     num_cached_tokens: int = 0                # prompt tokens found in the prefix cache
     num_preemptions: int = 0
     spec_token_ids: list[int] = field(default_factory=list)   # proposals for the next step (chapter 9)
+    block_hashes: list[int] = field(default_factory=list)    # its full blocks' prefix-cache hashes, once each
     num_recomputed_tokens: int = 0            # K/V thrown away by recompute preemption
     num_swaps: int = 0
     parent_id: str | None = None              # set on the forked samples of n > 1
@@ -107,6 +108,12 @@ class Request:
     def max_total_tokens(self) -> int:
         """The most tokens this request can ever hold: prompt plus ``max_tokens``."""
         return self.num_prompt_tokens + self.sampling_params.max_tokens
+
+    @property
+    def max_proposals(self) -> int:
+        """Proposed tokens worth verifying next step (chapter 9): k proposals yield
+        up to k + 1 tokens, which must not run past ``max_tokens``."""
+        return max(0, self.sampling_params.max_tokens - self.num_output_tokens - 1)
 
     @property
     def awaits_fork(self) -> bool:

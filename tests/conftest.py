@@ -1,9 +1,36 @@
+"""Fixtures and helpers every test folder shares: ``tests/engine/`` (the
+engine) and ``tests/repo/`` (the book, the site, the repository's files)."""
 import pytest
 import torch
 
+from minibatch_engine import Engine, EngineConfig
+from minibatch_engine.kv import PagedKVCache
 from minibatch_engine.model import build_model
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+SIM = dict(sim_gpu="H100-SXM", sim_model="llama-3-8b")     # Llama-3-8B on a simulated H100
+
+
+def sim_engine(**options) -> Engine:
+    """An engine with no model: the scheduler on the simulator's clock."""
+    return Engine(None, EngineConfig(**{**SIM, **options}))
+
+
+def assert_all_memory_back(engine) -> None:
+    """The leak check: every KV block (and row) back, the block manager's
+    invariants intact, the host swap space empty, the draft model's cache empty."""
+    kv = engine.kv_cache
+    assert kv.num_used_blocks == 0 and kv.reserved_bytes == 0
+    if isinstance(kv, PagedKVCache):
+        kv.manager.check_invariants()
+        assert not kv.manager.block_tables
+    swap = getattr(engine.scheduler, "preemptor", None) and engine.scheduler.preemptor.swap_space
+    if swap:
+        assert swap.num_free_blocks == swap.num_blocks and not swap.tables
+    draft = getattr(engine.proposer, "kv_cache", None)
+    if draft is not None:
+        draft.manager.check_invariants()
+        assert draft.manager.num_used_blocks == 0
 
 
 def pytest_collection_modifyitems(config, items):

@@ -133,7 +133,7 @@ def forward_logits(model: Transformer, x: torch.Tensor) -> torch.Tensor:
     B, L = x.shape
     meta = AttentionMetadata.build([L] * B, [L] * B)
     positions = torch.arange(L).repeat(B)
-    return model(x.reshape(-1), positions, meta, kv_cache=None, all_logits=True)
+    return model(x.reshape(-1), positions, meta, kv_pool=None, all_logits=True)
 
 
 @torch.no_grad()

@@ -1,9 +1,14 @@
 """The one interface every KV-cache manager offers (a ``Protocol``).
 
-A manager decides which part of the physical pool (:class:`~.pool.KVPool`)
-each request owns. It knows request ids and token ids, never a ``Request``:
-the scheduler owns requests and asks the manager for memory; the model runner
-reads block tables and the pool; the trace reads the byte counts.
+A manager is the scheduler's bookkeeping of KV memory: which blocks of the
+physical pool each request owns, and how many bytes that is. It holds no
+tensor. The pool itself (:class:`~.pool.KVPool`) belongs to the model runner,
+which writes it in the forward pass and carries out the block copies the
+manager decides (copy-on-write of a shared block, swaps to and from host
+memory): the manager queues them as :class:`~minibatch_engine.outputs.BlockCopy`
+instructions, and the scheduler hands them over in the step's
+``SchedulerOutput`` (:meth:`take_block_copies`). A manager knows request ids
+and token ids, never a ``Request``.
 
 Two implementations:
 
@@ -21,7 +26,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence, runtime_checkable
 
-from .pool import KVPool
+import torch
+
+from ..outputs import BlockCopy
 
 
 @dataclass(frozen=True)
@@ -39,16 +46,16 @@ NO_PREFIX = CachedPrefix()
 
 @runtime_checkable
 class KVCacheManager(Protocol):
-    pool: KVPool
     block_size: int
     watermark_blocks: int       # blocks admission keeps free for running requests to grow
 
     def max_tokens_per_request(self) -> int:
         """The most tokens one request can ever hold."""
 
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> CachedPrefix:
+    def find_cached_prefix(self, token_ids: Sequence[int], block_hashes: list[int] | None = None) -> CachedPrefix:
         """The cached full blocks ``token_ids`` start with (never the last token,
-        whose logits are needed). Looks only: nothing is taken."""
+        whose logits are needed). Looks only: nothing is taken. ``block_hashes``:
+        the request's own cache of its blocks' hashes, extended in place."""
 
     def allocate(self, request_id: str, num_tokens: int, num_computed_tokens: int = 0,
                  prefix: CachedPrefix = NO_PREFIX, headroom: int = 0) -> bool:
@@ -74,13 +81,18 @@ class KVCacheManager(Protocol):
         """Give back everything ``request_id`` holds (no-op for an unknown id)."""
 
     def swap_out(self, request_id: str, swap) -> int:
-        """Copy the request's blocks to host ``swap`` space, free them; returns bytes."""
+        """Move the request's blocks to host ``swap`` space (the copies queued for
+        the runner) and free them; returns bytes."""
 
     def can_swap_in(self, swap, request_id: str, headroom: int = 0) -> bool:
         """Room to bring the request's swapped blocks back, ``headroom`` blocks spare."""
 
     def swap_in(self, request_id: str, swap, token_ids: Sequence[int], num_computed: int) -> int:
-        """Copy a swapped-out request back into fresh blocks; returns bytes."""
+        """Bring a swapped-out request back into fresh blocks (the copies queued
+        for the runner); returns bytes."""
+
+    def take_block_copies(self) -> list[BlockCopy]:
+        """The block copies queued since the last call, in order (and forget them)."""
 
     def block_table(self, request_id: str) -> list[int]:
         """Physical blocks of the request, in order."""
@@ -91,11 +103,11 @@ class KVCacheManager(Protocol):
     def first_block(self, request_id: str) -> int:
         """The request's first block (its row, for a reserved cache); -1 if it holds none."""
 
-    def layer(self, i: int):
-        """(k, v) flat views ``[num_slots, kv_heads, head_dim]`` of layer ``i``."""
-
     @property
     def num_blocks(self) -> int: ...
+
+    @property
+    def bytes_per_block(self) -> int: ...
 
     @property
     def num_used_blocks(self) -> int: ...
@@ -113,18 +125,32 @@ class KVCacheManager(Protocol):
         """The whole pool."""
 
 
-class PoolBacked:
-    """What both managers share: the pool's views and its size in bytes."""
-    pool: KVPool
+class BlockAccounting:
+    """What both managers share: the byte sizes of the pool they account for
+    (computed from the model's shape; no memory is taken here) and the queue
+    of block copies for the runner."""
 
-    def layer(self, i: int):
-        return self.pool.layer(i)
+    def _init_accounting(self, model_config, num_blocks: int, block_size: int, dtype: torch.dtype) -> None:
+        if num_blocks <= 0 or block_size <= 0:
+            raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
+        element = torch.empty((), dtype=dtype).element_size()
+        self.bytes_per_token = model_config.kv_bytes_per_token(element)
+        self._num_blocks, self.block_size = num_blocks, block_size
+        self._copies: list[BlockCopy] = []
 
     @property
-    def bytes_per_token(self) -> int:
-        return self.pool.bytes_per_token
+    def num_blocks(self) -> int:
+        return self._num_blocks
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.bytes_per_token * self.block_size
 
     @property
     def capacity_bytes(self) -> int:
-        """The whole pool: what the cache took from device memory."""
-        return self.pool.allocated_bytes
+        """The whole pool: what the runner's :class:`~.pool.KVPool` takes from device memory."""
+        return self.bytes_per_block * self._num_blocks
+
+    def take_block_copies(self) -> list[BlockCopy]:
+        copies, self._copies = self._copies, []
+        return copies

@@ -48,7 +48,7 @@ class BlockManager:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching, self.hash_fn = enable_prefix_caching, hash_fn
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self.free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.cached: dict[int, int] = {}                 # hash -> block id
         self.block_tables: dict[str, list[int]] = {}
         self.num_cow_copies = 0
@@ -57,11 +57,11 @@ class BlockManager:
     # --- queries -------------------------------------------------------------------
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free)
+        return len(self.free_blocks)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self.free)
+        return self.num_blocks - len(self.free_blocks)
 
     def table(self, request_id: str) -> list[int]:
         """The block table of ``request_id`` (KeyError if it holds none)."""
@@ -78,7 +78,7 @@ class BlockManager:
 
     # --- allocation ------------------------------------------------------------------
     def _take_free(self) -> int:
-        block_id, _ = self.free.popitem(last=False)      # least recently freed
+        block_id, _ = self.free_blocks.popitem(last=False)      # least recently freed
         self._uncache(block_id)
         b = self.blocks[block_id]
         b.ref_count, b.num_filled = 1, 0
@@ -97,26 +97,39 @@ class BlockManager:
             self._uncache(child)
         b.children.clear()
 
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> tuple[list[int], int]:
+    def block_hashes(self, token_ids: Sequence[int], num_blocks: int, hashes: list[int]) -> list[int]:
+        """The chained hashes of the first ``num_blocks`` full blocks of
+        ``token_ids``: ``hashes`` (a request's own cache of them, vLLM's
+        ``request.block_hashes``) extended in place as far as needed. A request's
+        known tokens never change, so each block is hashed once in its life."""
+        bs = self.block_size
+        for i in range(len(hashes), num_blocks):
+            hashes.append(self.hash_fn(hashes[-1] if hashes else None, tuple(token_ids[i * bs:(i + 1) * bs])))
+        return hashes
+
+    def find_cached_prefix(self, token_ids: Sequence[int],
+                           hashes: list[int] | None = None) -> tuple[list[int], int]:
         """The cached full blocks ``token_ids`` start with, and how many tokens
         they hold. Looks only: no reference is taken, nothing leaves the free
         list. The last token is never taken from the cache (its logits are
-        needed). Every hit is verified against the stored tokens and parent."""
+        needed). ``hashes``: the request's cached block hashes (see
+        :meth:`block_hashes`), so a request that waits is not hashed again every
+        step. Every hit is verified against the stored tokens and parent."""
         if not self.enable_prefix_caching:
             return [], 0
-        found, parent_hash, parent = [], None, None
-        for i in range((len(token_ids) - 1) // self.block_size):
-            tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
-            h = self.hash_fn(parent_hash, tokens)
-            block_id = self.cached.get(h)
+        bs = self.block_size
+        hashes = self.block_hashes(token_ids, (len(token_ids) - 1) // bs, [] if hashes is None else hashes)
+        found, parent = [], None
+        for i in range((len(token_ids) - 1) // bs):
+            block_id = self.cached.get(hashes[i])
             if block_id is None:
                 break
             b = self.blocks[block_id]
-            if b.tokens != tokens or b.parent != parent:       # a collision: treat as a miss
+            if b.parent != parent or b.tokens != tuple(token_ids[i * bs:(i + 1) * bs]):   # a collision: a miss
                 break
             found.append(block_id)
-            parent_hash, parent = h, block_id
-        return found, len(found) * self.block_size
+            parent = block_id
+        return found, len(found) * bs
 
     def num_blocks_to_copy(self, request_id: str, first_pos: int) -> int:
         """Shared blocks ``request_id`` would write into from ``first_pos`` on."""
@@ -148,7 +161,7 @@ class BlockManager:
         for block_id in prefix:
             b = self.blocks[block_id]
             if b.ref_count == 0:
-                del self.free[block_id]                        # revive a freed cached block
+                del self.free_blocks[block_id]                        # revive a freed cached block
                 self._used_tokens += b.num_filled
             b.ref_count += 1
             table.append(block_id)
@@ -207,7 +220,7 @@ class BlockManager:
         for i in range(first_pos // self.block_size, len(table)):
             src = self.blocks[table[i]]
             if src.ref_count > 1:
-                if not self.free:
+                if not self.free_blocks:
                     raise RuntimeError("no free block for copy-on-write")
                 dst = self._take_free()
                 self.blocks[dst].num_filled = src.num_filled
@@ -244,7 +257,7 @@ class BlockManager:
             self._used_tokens -= b.num_filled
             if b.hash is None:
                 b.num_filled = 0
-            self.free[block_id] = None
+            self.free_blocks[block_id] = None
 
     def free_request(self, request_id: str) -> None:
         """Drop a request's references; blocks nobody holds return to the free list
@@ -270,7 +283,7 @@ class BlockManager:
                 refs[block_id] += 1
         for b in self.blocks:
             assert b.ref_count == refs[b.block_id], f"block {b.block_id}: ref {b.ref_count} != {refs[b.block_id]}"
-            assert (b.ref_count == 0) == (b.block_id in self.free), f"block {b.block_id} free-list mismatch"
+            assert (b.ref_count == 0) == (b.block_id in self.free_blocks), f"block {b.block_id} free-list mismatch"
             assert b.ref_count >= 0
         for h, block_id in self.cached.items():
             assert self.blocks[block_id].hash == h

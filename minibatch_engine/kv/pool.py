@@ -1,8 +1,10 @@
 """The physical KV memory: one preallocated pool of blocks per layer.
 
 A block holds ``block_size`` consecutive tokens of one sequence. A slot is one
-token's place: ``slot = block_id * block_size + offset``. Both cache managers of
-the book own a pool like this one and differ only in how they hand out blocks:
+token's place: ``slot = block_id * block_size + offset``. The model runner owns
+the pool (the forward writes it; :meth:`KVPool.copy_blocks` carries out
+copy-on-write); the scheduler's cache managers only decide which blocks each
+request owns, and differ in how they hand them out:
 
 * :class:`~minibatch_engine.kv.reserved.ReservedKVCache`: one block of ``max_model_len``
   tokens per request, taken at admission (Orca, static batching);
@@ -44,6 +46,13 @@ def _lazy_zeros(shape, dtype) -> torch.Tensor:
 
 
 class KVPool:
+    @classmethod
+    def for_cache(cls, kv_cache, model_config, dtype: torch.dtype, device: torch.device | str) -> "KVPool":
+        """The pool a cache manager (paged or reserved) hands out: its blocks, in
+        the model's shape."""
+        return cls(model_config.num_layers, kv_cache.num_blocks, kv_cache.block_size,
+                   model_config.num_kv_heads, model_config.head_dim, dtype, device)
+
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str):
         if num_blocks <= 0 or block_size <= 0:
@@ -61,6 +70,12 @@ class KVPool:
         flat = self.kv[i].view(2, -1, self.num_kv_heads, self.head_dim)
         return flat[0], flat[1]
 
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy blocks ``src[i]`` into ``dst[i]``, every layer, K and V."""
+        if src:
+            dev = self.kv.device
+            self.kv[:, :, torch.tensor(dst, device=dev)] = self.kv[:, :, torch.tensor(src, device=dev)]
+
     @property
     def bytes_per_token(self) -> int:
         """2 x layers x kv_heads x head_dim x bytes per element."""
@@ -74,3 +89,26 @@ class KVPool:
     def allocated_bytes(self) -> int:
         """Bytes the pool's tensor really holds (usable blocks only, not the null block)."""
         return self.bytes_per_block * self.num_blocks
+
+
+def carry_out(copies, pool: KVPool, host=None) -> None:
+    """Carry out a step's block copies (:class:`~minibatch_engine.outputs.BlockCopy`)
+    in the scheduler's order: ``"copy"`` within ``pool``, ``"swap_out"`` and
+    ``"swap_in"`` between ``pool`` and the host pool ``host``. Each run of copies
+    of one kind is one batched copy (a run ends early where a copy would read a
+    block the run writes)."""
+    i = 0
+    while i < len(copies):
+        kind, src, dst = copies[i].kind, [], []
+        while i < len(copies) and copies[i].kind == kind and copies[i].src not in dst:
+            src.append(copies[i].src)
+            dst.append(copies[i].dst)
+            i += 1
+        if kind == "copy":
+            pool.copy_blocks(src, dst)
+        elif host is None:
+            raise RuntimeError(f"a {kind} needs a host pool, and none was given")
+        elif kind == "swap_out":
+            host.swap_out(pool, src, dst)
+        else:
+            host.swap_in(pool, src, dst)

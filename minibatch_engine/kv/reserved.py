@@ -14,36 +14,29 @@ from typing import Sequence
 
 import torch
 
-from .base import NO_PREFIX, CachedPrefix, PoolBacked
-from .pool import KVPool
+from .base import NO_PREFIX, BlockAccounting, CachedPrefix
 
 
-class ReservedKVCache(PoolBacked):
-    """``num_rows`` rows, each a reservation of ``max_model_len`` tokens."""
+class ReservedKVCache(BlockAccounting):
+    """``num_rows`` rows, each a reservation of ``max_model_len`` tokens
+    (``dtype`` sizes the bytes; the runner's pool holds the rows themselves)."""
 
     watermark_blocks = 0
 
-    def __init__(self, model_config, num_rows: int, max_model_len: int,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
+    def __init__(self, model_config, num_rows: int, max_model_len: int, dtype: torch.dtype = torch.float32):
         if not isinstance(num_rows, int) or num_rows <= 0:
             raise ValueError(f"num_rows must be a positive integer, got {num_rows!r}")
         if not isinstance(max_model_len, int) or max_model_len <= 0:
             raise ValueError(f"max_model_len must be a positive integer, got {max_model_len!r}")
         self.max_model_len = max_model_len
-        self.pool = KVPool(model_config.num_layers, num_rows, max_model_len,
-                           model_config.num_kv_heads, model_config.head_dim, dtype, device)
-        self.block_size = max_model_len
+        self._init_accounting(model_config, num_rows, max_model_len, dtype)
         self.free_rows: list[int] = list(range(num_rows))
         self.row_of: dict[str, int] = {}         # request_id -> row
         self.num_tokens: dict[str, int] = {}     # request_id -> tokens with K/V
 
     @property
     def num_rows(self) -> int:
-        return self.pool.num_blocks
-
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
+        return self.num_blocks
 
     @property
     def num_used_blocks(self) -> int:
@@ -52,7 +45,7 @@ class ReservedKVCache(PoolBacked):
     def max_tokens_per_request(self) -> int:
         return self.max_model_len
 
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> CachedPrefix:
+    def find_cached_prefix(self, token_ids: Sequence[int], block_hashes: list[int] | None = None) -> CachedPrefix:
         return NO_PREFIX          # rows are private: nothing is shared
 
     def allocate(self, request_id: str, num_tokens: int, num_computed_tokens: int = 0,
@@ -110,9 +103,9 @@ class ReservedKVCache(PoolBacked):
     @property
     def reserved_bytes(self) -> int:
         """Bytes reserved by the requests that hold a row now."""
-        return len(self.row_of) * self.pool.bytes_per_block
+        return len(self.row_of) * self.bytes_per_block
 
     @property
     def used_bytes(self) -> int:
         """Bytes holding real tokens of the requests that hold a row now."""
-        return sum(self.num_tokens.values()) * self.pool.bytes_per_token
+        return sum(self.num_tokens.values()) * self.bytes_per_token

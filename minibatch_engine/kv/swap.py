@@ -5,8 +5,13 @@ to host memory instead of being thrown away, and copied back into free GPU
 blocks when memory returns (vLLM's swap preemption). The pool is bounded: when
 it is full, the scheduler falls back to recomputation.
 
-Two paths, one contract (the caller may reuse the source blocks as soon as the
-call returns, and may read the destination blocks in its next step):
+Two owners, as for the device pool. :class:`SwapSpace` is the scheduler's
+bookkeeping: which host blocks are free and which hold whose K/V. The bytes
+live in the runner's :class:`HostKVPool`, which carries out the swap copies the
+scheduler queued (``BlockCopy("swap_out" | "swap_in", ...)``) before the
+step's forward. Two paths, one contract (once :meth:`HostKVPool.swap_out`
+returns, the source blocks may be overwritten; what :meth:`HostKVPool.swap_in`
+filled can be read by the next kernel):
 
 * **CPU** (and the simulator's ``meta`` device): a plain, synchronous copy.
 * **CUDA**: the host pool is *pinned* (page-locked) memory, laid out block by
@@ -36,12 +41,56 @@ from .pool import KVPool
 
 
 class SwapSpace:
+    """``num_blocks`` host blocks: the free list and each swapped-out request's
+    host blocks, in order (no memory is taken here)."""
+
+    def __init__(self, num_blocks: int, bytes_per_block: int):
+        if not isinstance(num_blocks, int) or num_blocks < 0:
+            raise ValueError(f"the swap space needs a non-negative number of blocks, got {num_blocks!r}")
+        self.num_blocks, self.bytes_per_block = num_blocks, bytes_per_block
+        self.free_blocks: list[int] = list(range(num_blocks))
+        self.tables: dict[str, list[int]] = {}        # request_id -> host blocks, in order
+        self.swapped_out_bytes = 0
+        self.swapped_in_bytes = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    def can_swap_out(self, num_blocks: int) -> bool:
+        return num_blocks <= len(self.free_blocks)
+
+    def swap_out(self, request_id: str, num_blocks: int) -> list[int]:
+        """Host blocks for a request's ``num_blocks`` device blocks, in order."""
+        host = [self.free_blocks.pop(0) for _ in range(num_blocks)]
+        self.tables[request_id] = host
+        self.swapped_out_bytes += num_blocks * self.bytes_per_block
+        return host
+
+    def swap_in(self, request_id: str) -> list[int]:
+        """The request's host blocks, in order, handed back to the free list (the
+        runner reads them in this step's copies, before any later swap-out can
+        write them)."""
+        host = self.tables.pop(request_id)
+        self.free_blocks.extend(host)
+        self.swapped_in_bytes += len(host) * self.bytes_per_block
+        return host
+
+    def discard(self, request_id: str) -> None:
+        """Drop a swapped-out request's host blocks (abort)."""
+        self.free_blocks.extend(self.tables.pop(request_id, []))
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self.tables
+
+
+class HostKVPool:
+    """The host memory behind a :class:`SwapSpace`, and the copies to and from
+    the device pool (the runner's)."""
+
     def __init__(self, model_config, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device_type: str = "cpu"):
-        if num_blocks < 0:
-            raise ValueError(f"the swap space needs a non-negative number of blocks, got {num_blocks}")
         self.num_blocks, self.block_size = num_blocks, block_size
-        self.device_type = device_type
         self.pool = self.host = self.stream = None
         if device_type == "cuda":
             mc = model_config
@@ -51,52 +100,32 @@ class SwapSpace:
             self.stream = torch.cuda.Stream()
             self.last_copy: torch.cuda.Event | None = None
         else:
-            host = "meta" if device_type == "meta" else "cpu"
             self.pool = KVPool(model_config.num_layers, max(num_blocks, 1), block_size,
-                               model_config.num_kv_heads, model_config.head_dim, dtype, host)
-        self.free: list[int] = list(range(num_blocks))
-        self.tables: dict[str, list[int]] = {}        # request_id -> host blocks, in order
-        self.swapped_out_bytes = 0
-        self.swapped_in_bytes = 0
+                               model_config.num_kv_heads, model_config.head_dim, dtype, "cpu")
 
-    @property
-    def num_free_blocks(self) -> int:
-        return len(self.free)
+    def swap_out(self, gpu_pool: KVPool, gpu_blocks: list[int], host: list[int]) -> None:
+        """Copy ``gpu_blocks`` into the host blocks ``host``."""
+        if not gpu_blocks:
+            return
+        if self.stream is not None:
+            self._async_out(gpu_pool, gpu_blocks, host)
+        else:
+            src = torch.tensor(gpu_blocks, device=gpu_pool.kv.device)
+            dst = torch.tensor(host, device=self.pool.kv.device)
+            self.pool.kv[:, :, dst] = gpu_pool.kv[:, :, src].to(self.pool.kv.device)
 
-    def can_swap_out(self, num_blocks: int) -> bool:
-        return num_blocks <= len(self.free)
-
-    def swap_out(self, request_id: str, gpu_pool: KVPool, gpu_blocks: list[int]) -> int:
-        """Copy ``gpu_blocks`` to host blocks; returns the bytes copied."""
-        host = [self.free.pop(0) for _ in gpu_blocks]
-        self.tables[request_id] = host
-        if gpu_blocks:
-            if self.stream is not None:
-                self._async_out(gpu_pool, gpu_blocks, host)
-            else:
-                src = torch.tensor(gpu_blocks, device=gpu_pool.kv.device)
-                dst = torch.tensor(host, device=self.pool.kv.device)
-                self.pool.kv[:, :, dst] = gpu_pool.kv[:, :, src].to(self.pool.kv.device)
-        nbytes = len(gpu_blocks) * gpu_pool.bytes_per_block
-        self.swapped_out_bytes += nbytes
-        return nbytes
-
-    def swap_in(self, request_id: str, gpu_pool: KVPool, gpu_blocks: list[int]) -> int:
-        """Copy a request's host blocks back into ``gpu_blocks``; frees the host blocks."""
-        host = self.tables.pop(request_id)
+    def swap_in(self, gpu_pool: KVPool, host: list[int], gpu_blocks: list[int]) -> None:
+        """Copy the host blocks ``host`` back into ``gpu_blocks``."""
         if len(host) != len(gpu_blocks):
-            raise ValueError(f"swap-in of {request_id!r}: {len(host)} host blocks, {len(gpu_blocks)} GPU blocks")
-        if host:
-            if self.stream is not None:
-                self._async_in(gpu_pool, gpu_blocks, host)
-            else:
-                src = torch.tensor(host, device=self.pool.kv.device)
-                dst = torch.tensor(gpu_blocks, device=gpu_pool.kv.device)
-                gpu_pool.kv[:, :, dst] = self.pool.kv[:, :, src].to(gpu_pool.kv.device)
-        self.free.extend(host)
-        nbytes = len(host) * gpu_pool.bytes_per_block
-        self.swapped_in_bytes += nbytes
-        return nbytes
+            raise ValueError(f"swap-in: {len(host)} host blocks, {len(gpu_blocks)} GPU blocks")
+        if not host:
+            return
+        if self.stream is not None:
+            self._async_in(gpu_pool, gpu_blocks, host)
+        else:
+            src = torch.tensor(host, device=self.pool.kv.device)
+            dst = torch.tensor(gpu_blocks, device=gpu_pool.kv.device)
+            gpu_pool.kv[:, :, dst] = self.pool.kv[:, :, src].to(gpu_pool.kv.device)
 
     # --- the CUDA path: pinned memory, a side stream, events ------------------------
     def _async_out(self, gpu_pool: KVPool, gpu_blocks: list[int], host: list[int]) -> None:
@@ -132,10 +161,3 @@ class SwapSpace:
         """Block the host until every copy issued so far has landed (tests, shutdown)."""
         if self.stream is not None:
             self.stream.synchronize()
-
-    def discard(self, request_id: str) -> None:
-        """Drop a swapped-out request's host blocks (abort)."""
-        self.free.extend(self.tables.pop(request_id, []))
-
-    def holds(self, request_id: str) -> bool:
-        return request_id in self.tables

@@ -15,7 +15,7 @@ def full_forward_logits(model, token_ids: Sequence[int]) -> torch.Tensor:
     ids = torch.tensor(list(token_ids), dtype=torch.long, device=model.device)
     pos = torch.arange(n, device=model.device)
     meta = AttentionMetadata.build([n], [n], device=model.device)
-    return model(ids, pos, meta, kv_cache=None, all_logits=True)
+    return model(ids, pos, meta, kv_pool=None, all_logits=True)
 
 
 @torch.no_grad()

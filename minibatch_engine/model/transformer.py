@@ -138,7 +138,7 @@ class Transformer(nn.Module):
         return self.embed.weight.dtype
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: BatchMetadata,
-                kv_cache=None, all_logits: bool = False) -> torch.Tensor:
+                kv_pool=None, all_logits: bool = False) -> torch.Tensor:
         """Run one step.
 
         input_ids, positions: ``[T]`` flat new tokens of the batch.
@@ -146,8 +146,9 @@ class Transformer(nn.Module):
         (``get_attention_backend(name).build_metadata(...)`` or
         ``AttentionMetadata.build(...)`` for the reference); its ``backend`` runs
         every layer's attention.
-        kv_cache: an object with ``layer(i) -> (k_slots, v_slots)``, or None for a
-        cache-free forward (full recompute).
+        kv_pool: the KV memory (a :class:`~minibatch_engine.kv.KVPool`, or anything
+        with ``layer(i) -> (k_slots, v_slots)``), or None for a cache-free forward
+        (full recompute).
         Returns logits ``[S, vocab]`` for the last new token of each sequence, or
         ``[T, vocab]`` for every token with ``all_logits=True``.
         """
@@ -158,7 +159,7 @@ class Transformer(nn.Module):
         else:
             rope = self._rope(positions, x.dtype)
         for i, layer in enumerate(self.layers):
-            x = layer(x, rope, meta, None if kv_cache is None else kv_cache.layer(i))
+            x = layer(x, rope, meta, None if kv_pool is None else kv_pool.layer(i))
         if not all_logits:
             x = x[meta.logits_indices]
         return self.lm_head(self.norm(x))

@@ -55,17 +55,17 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 class DecodeGraphs:
     """Captures and replays one CUDA graph per decode batch-size bucket."""
 
-    def __init__(self, model, kv_cache, attention, max_num_seqs: int, max_model_len: int, pad_token_id: int):
+    def __init__(self, model, kv_pool, attention, max_num_seqs: int, max_model_len: int, pad_token_id: int):
         if model.device.type != "cuda":
             raise ValueError("CUDA graphs need a model on CUDA")
         if attention.name != "triton":
             raise ValueError(f'CUDA graphs need the "triton" attention backend (static metadata), '
                              f'not {attention.name!r}')
-        self.model, self.kv_cache, self.attention = model, kv_cache, attention
+        self.model, self.kv_pool, self.attention = model, kv_pool, attention
         self.sizes = graph_batch_sizes(max_num_seqs)
-        self.block_size = kv_cache.block_size
+        self.block_size = kv_pool.block_size
         self.width = -(-max_model_len // self.block_size)
-        self.null = kv_cache.pool.null_block
+        self.null = kv_pool.null_block
         self.pad_token_id = pad_token_id
         B, dev, long = self.sizes[-1], model.device, torch.long
         # One set of static buffers, sized for the largest bucket; bucket B uses the first B rows.
@@ -115,7 +115,7 @@ class DecodeGraphs:
     def _capture(self, B: int):
         self._fill(B, [], [], [])        # all padding: warm-up and capture touch only the null block
         meta = self._metadata(B)
-        args = (self.input_ids[:B], self.positions[:B], meta, self.kv_cache)
+        args = (self.input_ids[:B], self.positions[:B], meta, self.kv_pool)
         side = torch.cuda.Stream(self.model.device)
         side.wait_stream(torch.cuda.current_stream(self.model.device))
         with torch.cuda.stream(side):    # warm up off the capture: Triton compiles, cuBLAS picks kernels

@@ -1,6 +1,10 @@
 """ModelRunner: turns a SchedulerOutput into tensors and runs the real model.
 
-Per step it builds, on the host, the flat ``input_ids`` and ``positions`` of
+It owns the KV pool (:class:`~minibatch_engine.kv.KVPool`) and, for swap
+preemption, its host pool: every byte of K/V that moves is moved here. Each
+step first carries out the block copies the scheduler decided (copy-on-write,
+swap-out, swap-in), in their order, then the forward writes the new tokens'
+K/V. Per step it builds, on the host, the flat ``input_ids`` and ``positions`` of
 every new token and the attention metadata of its attention backend (lengths,
 block tables, ``slot_mapping``; see :mod:`minibatch_engine.attention`), copies
 them to the model's device once, runs one forward
@@ -32,14 +36,16 @@ from ..model.config import PAD_ID
 from ..sampling import sample, sampling_probs
 from ..outputs import RunnerOutput, SchedulerOutput
 from ..speculative.verify import rejection_sample, verify_greedy
+from ..kv.pool import carry_out
 from .base import Runner
 from .prepack import prepack_linear_weights
 
 
 class ModelRunner(Runner):
-    def __init__(self, model, kv_cache, pad_token_id: int | None = None, attention_backend: str = "auto",
-                 cuda_graphs: bool = False, max_num_seqs: int = 256, max_model_len: int | None = None):
-        self.model, self.kv_cache = model, kv_cache
+    def __init__(self, model, kv_pool, host_pool=None, pad_token_id: int | None = None,
+                 attention_backend: str = "auto", cuda_graphs: bool = False, max_num_seqs: int = 256,
+                 max_model_len: int | None = None):
+        self.model, self.kv_pool, self.host_pool = model, kv_pool, host_pool
         self.device = model.device
         self.attention = get_attention_backend(attention_backend, self.device)
         self.pad_token_id = PAD_ID if pad_token_id is None else pad_token_id
@@ -49,7 +55,7 @@ class ModelRunner(Runner):
         self.graphs = None
         if cuda_graphs and self.device.type == "cuda" and self.attention.name == "triton":
             from .cuda_graphs import DecodeGraphs
-            self.graphs = DecodeGraphs(model, kv_cache, self.attention, max_num_seqs,
+            self.graphs = DecodeGraphs(model, kv_pool, self.attention, max_num_seqs,
                                        max_model_len or model.config.max_position, self.pad_token_id)
         if self.device.type == "cpu":
             prepack_linear_weights(model)
@@ -80,17 +86,16 @@ class ModelRunner(Runner):
             query_lens.append(n)
             seq_lens.append(start + n)
             tables.append(s.block_table)
-        null = self.kv_cache.pool.null_block
+        null, block_size = self.kv_pool.null_block, self.kv_pool.block_size
         for p in sched.padding:
             logits_rows.append(len(ids) + p.num_tokens - 1)
             ids += [self.pad_token_id] * p.num_tokens
-            positions += range(p.start_position, p.start_position + p.num_tokens)
+            positions += range(p.start, p.start + p.num_tokens)
             query_lens.append(p.num_tokens)
-            seq_lens.append(p.start_position + p.num_tokens)
-            n_blocks = -(-(p.start_position + p.num_tokens) // self.kv_cache.block_size)
+            seq_lens.append(p.start + p.num_tokens)
+            n_blocks = -(-(p.start + p.num_tokens) // block_size)
             tables.append(p.block_table if p.block_table is not None else [null] * n_blocks)
-        meta = self.attention.build_metadata(query_lens, seq_lens, tables, self.kv_cache.block_size,
-                                             device=self.device)
+        meta = self.attention.build_metadata(query_lens, seq_lens, tables, block_size, device=self.device)
         if spec:
             meta.logits_indices = long_tensor(logits_rows).to(self.device)
         input_ids = long_tensor(ids).to(self.device, non_blocking=True)
@@ -114,6 +119,8 @@ class ModelRunner(Runner):
         for rid in sched.finished_request_ids:
             self.generators.pop(rid, None)
         out = RunnerOutput()
+        if sched.block_copies:
+            carry_out(sched.block_copies, self.kv_pool, self.host_pool)
         if sched.is_empty:
             return out
         t0 = time.perf_counter()
@@ -124,7 +131,7 @@ class ModelRunner(Runner):
         else:
             input_ids, positions, meta = self.prepare_inputs(sched)
             t0 = time.perf_counter()
-            logits = self.model(input_ids, positions, meta, self.kv_cache)
+            logits = self.model(input_ids, positions, meta, self.kv_pool)
         self._sync()
         t1 = time.perf_counter()
         # One row of the step's logits per sampling request; the samples forked
@@ -140,7 +147,7 @@ class ModelRunner(Runner):
                 except (RuntimeError, ValueError) as e:
                     out.errors[s.request_id] = f"verification failed: {e}"
                 row += k
-            elif s.samples:
+            elif s.samples_token:
                 rows.append(row)
                 seqs.append((s.request_id, s.sampling_params))
                 for fork in s.forks:

@@ -24,7 +24,7 @@ class SimRunner(Runner):
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         out = RunnerOutput()
         for s in sched.scheduled:
-            if not s.samples:
+            if not s.samples_token:
                 continue
             accepted = 0
             while accepted < s.num_spec_tokens and self.rng.random() < self.acceptance_rate:

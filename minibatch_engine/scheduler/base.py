@@ -70,6 +70,7 @@ class Scheduler:
         the engine's clock (seconds), for policies that look at waiting time."""
         self.now = now
         out = self._schedule()
+        out.block_copies = self.kv_cache.take_block_copies()    # for the runner, before its forward
         if out.is_empty:
             return out
         out.step = self.num_steps
@@ -80,7 +81,7 @@ class Scheduler:
             r = self.requests[s.request_id]
             if r.first_scheduled_step is None:
                 r.first_scheduled_step = out.step
-            if s.samples and r.awaits_fork:
+            if s.samples_token and r.awaits_fork:
                 s.forks = [Fork(sample_id(r.request_id, k), sample_params(r.sampling_params, k))
                            for k in range(1, r.sampling_params.n)]
             s.block_table = list(block_table(s.request_id))
@@ -105,7 +106,7 @@ class Scheduler:
             else:
                 r.num_computed_tokens = s.start + s.num_tokens
                 mark_computed(r.request_id, r.all_token_ids, r.num_computed_tokens, s.start)
-            if not s.samples:
+            if not s.samples_token:
                 continue
             forks = [self._fork(r, k) for k in range(1, len(s.forks) + 1)]
             for seq in (r, *forks):
@@ -152,8 +153,7 @@ class Scheduler:
         ``max_tokens``: k proposals yield at most k + 1 tokens."""
         for r in self.running_requests():
             spec = proposals.get(r.request_id, []) if r.is_decoding else []
-            room = r.sampling_params.max_tokens - r.num_output_tokens - 1
-            r.spec_token_ids = [int(t) for t in spec[:max(0, room)]]
+            r.spec_token_ids = [int(t) for t in spec[:r.max_proposals]]
 
     def running_requests(self) -> list[Request]:
         """Requests that may run this step (speculation proposes only for these)."""
@@ -250,6 +250,3 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         raise NotImplementedError
 
-    @property
-    def num_running(self) -> int:
-        raise NotImplementedError

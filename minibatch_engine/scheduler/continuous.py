@@ -61,13 +61,13 @@ class _Step:
 
     def __init__(self, budget: int | None):
         self.out = SchedulerOutput()
-        self.budget = budget if budget is not None else float("inf")
+        self.token_budget = budget if budget is not None else float("inf")   # tokens left this step
         self.granted: dict[int, int] = {}      # id(request) -> tokens this step
         self.partial = 0                       # prompts whose prefill spans steps
 
     def grant(self, req: Request, n: int, spans: bool) -> None:
         self.granted[id(req)] = n
-        self.budget -= n
+        self.token_budget -= n
         self.partial += spans
 
 
@@ -127,22 +127,18 @@ class ContinuousScheduler(Scheduler):
     def running_requests(self) -> list[Request]:
         return list(self.running)
 
-    @property
-    def num_running(self) -> int:
-        return len(self.running)
-
     def num_seqs(self) -> int:
         """Sequences running, counting the samples an n > 1 request will fork into."""
         return sum(r.num_seqs for r in self.running)
 
     # --- one step -------------------------------------------------------------------
-    def _grant(self, req: Request, budget: int) -> int:
-        """Tokens ``req`` may compute this step with ``budget`` left (0: none).
+    def _grant(self, req: Request, token_budget: int) -> int:
+        """Tokens ``req`` may compute this step with ``token_budget`` left (0: none).
         A decoding request's proposed tokens are optional: a tight budget trims them."""
         remaining = req.num_tokens_with_spec - req.num_computed_tokens
-        if remaining <= budget:
+        if remaining <= token_budget:
             return remaining
-        return int(budget) if self.enable_chunked_prefill or req.is_decoding else 0
+        return int(token_budget) if self.enable_chunked_prefill or req.is_decoding else 0
 
     def _schedule(self) -> SchedulerOutput:
         """One step: running requests first (decode tokens, then prefill chunks),
@@ -169,7 +165,7 @@ class ContinuousScheduler(Scheduler):
                 if id(req) in preempted:
                     continue
                 while True:        # until req gets its blocks, or is itself the victim
-                    n = self._grant(req, step.budget)
+                    n = self._grant(req, step.token_budget)
                     spans = n > 0 and not is_decode and \
                         (n < req.num_tokens - req.num_computed_tokens or req.num_computed_tokens > 0)
                     if n == 0 or (spans and step.partial >= self.max_num_partial_prefills):
@@ -180,7 +176,7 @@ class ContinuousScheduler(Scheduler):
                     victim = self.preemptor.pick_victim(self.running)
                     preempted.add(id(victim))
                     step.out.preempted.append(self._preempt(victim, req))
-                    step.budget += step.granted.pop(id(victim), 0)
+                    step.token_budget += step.granted.pop(id(victim), 0)
                     if victim is req:
                         break
         granted = step.granted
@@ -189,14 +185,14 @@ class ContinuousScheduler(Scheduler):
     def _schedule_swapped(self, step: "_Step") -> None:
         """Swapped-out requests come back first, when memory allows (and nobody was
         preempted this step, which would only swap them out again)."""
-        while self.swapped and not step.out.preempted and step.budget > 0 \
+        while self.swapped and not step.out.preempted and step.token_budget > 0 \
                 and self.num_seqs() + self.swapped[0].num_seqs <= self.max_num_seqs \
                 and not self._waiting_outranks(self.swapped[0]) \
                 and self.preemptor.can_swap_in(self.swapped[0], bool(self.running)):
             req = self.swapped.popleft()
             step.out.swapped_in.append(self.preemptor.swap_in(req))
             self.running.append(req)
-            n = self._grant(req, step.budget)
+            n = self._grant(req, step.token_budget)
             if n and self.kv_cache.allocate(req.request_id, req.num_computed_tokens + n, req.num_computed_tokens):
                 step.grant(req, n, n > 1)
                 step.out.scheduled.append(ScheduledRequest.of(req, n))
@@ -214,14 +210,14 @@ class ContinuousScheduler(Scheduler):
         blocks or of a place, the policy may preempt a running request for it
         (priority: one of strictly worse priority); otherwise it waits, and so
         does everyone behind it (no skipping ahead)."""
-        while self.waiting and step.budget > 0 and \
+        while self.waiting and step.token_budget > 0 and \
                 not (self.swapped and not self._waiting_outranks(self.swapped[0])):
             req = self.policy.select(self.waiting)
             if self.num_seqs() + req.num_seqs > self.max_num_seqs:
                 if self._preempt_for(req, step):
                     continue
                 break
-            n, short_of_memory = self._admit(req, step.budget,
+            n, short_of_memory = self._admit(req, step.token_budget,
                                              allow_partial=step.partial < self.max_num_partial_prefills)
             if n == 0:
                 if short_of_memory and self._preempt_for(req, step):
@@ -240,19 +236,19 @@ class ContinuousScheduler(Scheduler):
         victim = self.policy.victim_for(req, self.running)
         if victim is None:
             return False
-        step.budget += step.granted.pop(id(victim), 0)
+        step.token_budget += step.granted.pop(id(victim), 0)
         step.out.scheduled = [s for s in step.out.scheduled if s.request_id != victim.request_id]
         step.out.preempted.append(self._preempt(victim, req))
         return True
 
-    def _admit(self, req: Request, budget, allow_partial: bool) -> tuple[int, bool]:
+    def _admit(self, req: Request, token_budget: int, allow_partial: bool) -> tuple[int, bool]:
         """Look up cached prefix blocks, then take them together with blocks for
         what this step computes (keeping the cache's watermark free). Returns the
         tokens granted (0: not admitted, nothing taken) and whether KV memory,
-        not the budget, was what stopped it."""
-        prefix = self.kv_cache.find_cached_prefix(req.all_token_ids)
+        not the token budget, was what stopped it."""
+        prefix = self.kv_cache.find_cached_prefix(req.all_token_ids, req.block_hashes)
         remaining = req.num_tokens - prefix.num_tokens
-        n = remaining if remaining <= budget else (budget if self.enable_chunked_prefill else 0)
+        n = remaining if remaining <= token_budget else (token_budget if self.enable_chunked_prefill else 0)
         # The watermark keeps room for running requests to grow; with none running
         # it would only stop a request that needs the whole pool from ever starting.
         headroom = self.kv_cache.watermark_blocks if self.running else 0

@@ -50,10 +50,6 @@ class StaticScheduler(Scheduler):
     def has_unfinished(self) -> bool:
         return bool(self.waiting) or any(not r.is_finished for r in self.batch)
 
-    @property
-    def num_running(self) -> int:
-        return sum(not r.is_finished for r in self.batch)
-
     # --- one step -------------------------------------------------------------------
     def _form_batch(self) -> None:
         """Take waiting requests in arrival order while the padded layout fits:

@@ -5,8 +5,8 @@ target verifies them all in one forward. Decoding is memory-bound, so the
 target's cost barely grows with k + 1 query tokens, while the draft's k steps
 are cheap because the draft is small.
 
-The draft keeps its own paged KV cache, keyed by request id like the
-target's. Each call runs, for all requests at once:
+The draft keeps its own paged KV cache (the bookkeeping, and a pool of its
+own), keyed by request id like the target's. Each call runs, for all requests at once:
 
 1. one ragged forward over the tokens the draft has not seen (the whole prompt
    the first time; afterwards the target's last token plus any accepted
@@ -25,7 +25,7 @@ import time
 import torch
 
 from ..attention import get_attention_backend
-from ..kv import PagedKVCache
+from ..kv import KVPool, PagedKVCache
 from .proposer import Proposer
 
 
@@ -35,8 +35,10 @@ class DraftModelProposer(Proposer):
         super().__init__(num_speculative_tokens)
         self.model = draft_model
         self.device = draft_model.device
+        # no prefix sharing and no forks: a block is never shared, so nothing is ever copied
         self.kv_cache = PagedKVCache(draft_model.config, num_blocks, block_size, draft_model.dtype,
-                                     self.device, enable_prefix_caching=False, watermark=0.0)
+                                     enable_prefix_caching=False, watermark=0.0)
+        self.kv_pool = KVPool.for_cache(self.kv_cache, draft_model.config, draft_model.dtype, self.device)
         self.attention = get_attention_backend(attention_backend, self.device)
         # request id -> (tokens fed before the last call's guesses, the guesses fed after them)
         self.fed: dict[str, tuple[int, list[int]]] = {}
@@ -59,7 +61,7 @@ class DraftModelProposer(Proposer):
         meta = self.attention.build_metadata(query_lens, seq_lens, tables, self.kv_cache.block_size,
                                              device=self.device)
         logits = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
-                            meta, self.kv_cache)
+                            meta, self.kv_pool)
         return torch.argmax(logits, dim=-1).tolist()
 
     @torch.no_grad()
@@ -67,7 +69,7 @@ class DraftModelProposer(Proposer):
         t0 = time.perf_counter()
         live, ids, pos, qlens, slens, ks = [], [], [], [], [], []
         for r in requests:
-            k, n = self.budget(r), r.num_tokens
+            k, n = self.num_proposals(r), r.num_tokens
             if k == 0 or not self.kv_cache.allocate(r.request_id, n + k - 1):
                 continue
             seen = self._seen(r)

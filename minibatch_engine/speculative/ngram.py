@@ -37,7 +37,7 @@ class NgramProposer(Proposer):
     def propose(self, requests):
         out = {}
         for r in requests:
-            k = self.budget(r)
+            k = self.num_proposals(r)
             guess = ngram_propose(r.all_token_ids, k, self.min_n, self.max_n) if k else []
             if guess:
                 out[r.request_id] = guess

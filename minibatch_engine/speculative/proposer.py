@@ -25,9 +25,9 @@ class Proposer:
         # per draft forward of the last call: (new tokens, context after) of each sequence
         self.last_draft_shapes: list[list[tuple[int, int]]] = []
 
-    def budget(self, r: Request) -> int:
-        """Guesses worth making: k proposals yield up to k + 1 tokens, never past max_tokens."""
-        return max(0, min(self.k, r.sampling_params.max_tokens - r.num_output_tokens - 1))
+    def num_proposals(self, r: Request) -> int:
+        """Guesses worth making: at most k, and never past max_tokens (``Request.max_proposals``)."""
+        return min(self.k, r.max_proposals)
 
     def propose(self, requests: list[Request]) -> dict[str, list[int]]:
         raise NotImplementedError
@@ -50,7 +50,7 @@ class SimProposer(Proposer):
     def propose(self, requests):
         out, steps = {}, [[] for _ in range(self.k)]
         for r in requests:
-            k = self.budget(r)
+            k = self.num_proposals(r)
             if k == 0:
                 continue
             out[r.request_id] = [self.token_id] * k

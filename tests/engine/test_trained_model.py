@@ -20,7 +20,7 @@ from minibatch_engine.model.config import BOS_ID, EOS_ID, PAD_ID, TINY
 from minibatch_engine.model.reference import full_forward_logits
 from minibatch_engine.model.trained import TRAINED_MODELS, WEIGHTS_DIR, trained_model_path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 # Python the models never saw (written for this test, not from the standard library).
 UNSEEN_CODE = '''import os
 

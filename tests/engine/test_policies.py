@@ -12,12 +12,12 @@ from minibatch_engine import LLM, Engine, EngineConfig, SamplingParams, referenc
 from minibatch_engine.request import Request, RequestStatus
 from minibatch_engine.scheduler.policy import FairSharePolicy, PriorityPolicy
 
-from .test_preemption import assert_no_leaks
-
-SIM = dict(sim_gpu="H100-SXM", sim_model="llama-3-8b")
+from ..conftest import SIM, assert_all_memory_back
 
 
-def sim_engine(policy, **kw):
+
+
+def policy_engine(policy, **kw):
     cfg = dict(kv_cache="paged", block_size=4, watermark=0.0, max_model_len=128, policy=policy)
     cfg.update(kw)
     return Engine(None, EngineConfig(**cfg, **SIM))
@@ -44,14 +44,14 @@ def test_every_policy_keeps_exact_greedy_tokens_under_preemption(tiny64, policy,
                                          max_num_batched_tokens=16))
     if mode == "swap":
         engine = Engine(tiny64, engine.config.with_overrides(
-            swap_space_bytes=6 * engine.kv_cache.pool.bytes_per_block))
+            swap_space_bytes=6 * engine.kv_cache.bytes_per_block))
     reqs = [engine.add_request(p, params(g), priority=(i * 7) % 3, client_id="ab"[i % 2])
             for i, (p, (_, g)) in enumerate(zip(prompts, lengths))]
     engine.run()
     assert sum(r.num_preemptions for r in reqs) > 0, "the pool was meant to force preemption"
     for r, p, (_, g) in zip(reqs, prompts, lengths):
         assert r.output_token_ids == reference(tiny64, tuple(p), g)
-    assert_no_leaks(engine)
+    assert_all_memory_back(engine)
 
 
 @settings(max_examples=15, deadline=None)
@@ -68,14 +68,14 @@ def test_priority_with_swap_keeps_exact_tokens_on_random_workloads(tiny64, reqs,
                        max_model_len=32, policy="priority", priority_aging_s=aging, preemption_mode="swap",
                        max_num_batched_tokens=16)
     engine = Engine(tiny64, cfg)
-    swap_bytes = swap_blocks * engine.kv_cache.pool.bytes_per_block
+    swap_bytes = swap_blocks * engine.kv_cache.bytes_per_block
     engine = Engine(tiny64, cfg.with_overrides(swap_space_bytes=swap_bytes))
     prompts = [[(7 * i + j) % 250 + 1 for j in range(p)] for i, (p, _, _) in enumerate(reqs)]
     rs = [engine.add_request(p, params(g), priority=pr) for p, (_, g, pr) in zip(prompts, reqs)]
     engine.run()
     for r, p, (_, g, _) in zip(rs, prompts, reqs):
         assert r.output_token_ids == reference(tiny64, tuple(p), g)
-    assert_no_leaks(engine)
+    assert_all_memory_back(engine)
 
 
 def test_llm_generate_takes_priority_and_client_id(tiny64):
@@ -136,7 +136,7 @@ def watch_priority(engine):
        # at least 25 blocks of 4: the largest request (60 + 40 tokens) always fits
        blocks=st.integers(25, 60), seqs=st.integers(1, 5), aging=st.sampled_from([None, 0.01, 0.1]))
 def test_priority_admits_the_best_and_preempts_only_worse(reqs, blocks, seqs, aging):
-    engine = sim_engine("priority", num_kv_blocks=blocks, max_num_seqs=seqs, priority_aging_s=aging,
+    engine = policy_engine("priority", num_kv_blocks=blocks, max_num_seqs=seqs, priority_aging_s=aging,
                         max_num_batched_tokens=64)
     seen = watch_priority(engine)
     rs = [engine.add_request([1 + i] * p, params(g), priority=pr, arrival_time=t)
@@ -145,12 +145,12 @@ def test_priority_admits_the_best_and_preempts_only_worse(reqs, blocks, seqs, ag
     assert all(r.is_finished and r.num_output_tokens == g for r, (_, g, _, _) in zip(rs, reqs))
     for victim, beneficiary in seen:
         assert victim.request_id != beneficiary.request_id
-    assert_no_leaks(engine)
+    assert_all_memory_back(engine)
 
 
 def test_priority_preempts_for_a_place_and_for_memory():
     # One place (max_num_seqs=1): a low-priority request runs; a high one arrives.
-    engine = sim_engine("priority", num_kv_blocks=64, max_num_seqs=1)
+    engine = policy_engine("priority", num_kv_blocks=64, max_num_seqs=1)
     seen = watch_priority(engine)
     low = engine.add_request([1] * 8, params(50), priority=5)
     engine.step()
@@ -159,7 +159,7 @@ def test_priority_preempts_for_a_place_and_for_memory():
     assert [(v.request_id, b.request_id) for v, b in seen] == [(low.request_id, high.request_id)]
     assert high.finish_step < low.finish_step and low.num_output_tokens == 50
     # Memory: the pool holds one request; a place is free, blocks are not.
-    engine = sim_engine("priority", num_kv_blocks=8, max_num_seqs=4)
+    engine = policy_engine("priority", num_kv_blocks=8, max_num_seqs=4)
     seen = watch_priority(engine)
     low = engine.add_request([1] * 16, params(12), priority=5)
     engine.step()
@@ -167,9 +167,9 @@ def test_priority_preempts_for_a_place_and_for_memory():
     engine.run()
     assert [(v.request_id, b.request_id) for v, b in seen] == [(low.request_id, high.request_id)]
     assert high.finish_step < low.finish_step
-    assert_no_leaks(engine)
+    assert_all_memory_back(engine)
     # Under FCFS neither preempts: the high-priority request waits.
-    engine = sim_engine("fcfs", num_kv_blocks=8, max_num_seqs=4)
+    engine = policy_engine("fcfs", num_kv_blocks=8, max_num_seqs=4)
     low = engine.add_request([1] * 16, params(12), priority=5)
     engine.step()
     high = engine.add_request([2] * 16, params(12), priority=0)
@@ -178,7 +178,7 @@ def test_priority_preempts_for_a_place_and_for_memory():
 
 
 def test_preempted_requests_keep_their_place_by_priority_and_arrival():
-    engine = sim_engine("priority", num_kv_blocks=64, max_num_seqs=2)
+    engine = policy_engine("priority", num_kv_blocks=64, max_num_seqs=2)
     a = engine.add_request([1] * 4, params(30), priority=3)
     b = engine.add_request([2] * 4, params(30), priority=3)
     engine.step()
@@ -204,17 +204,17 @@ def starving_workload(engine, horizon=2.0, rate=40.0):
 
 def test_without_aging_a_low_priority_request_starves_and_aging_cures_it():
     horizon = 2.0
-    engine = sim_engine("priority", num_kv_blocks=64, max_num_seqs=1)
+    engine = policy_engine("priority", num_kv_blocks=64, max_num_seqs=1)
     stream, low = starving_workload(engine, horizon)
     while engine.now() < horizon:
         engine.step()
     served = sum(r.first_scheduled_step is not None for r in stream)
     assert served > 5 and low.first_scheduled_step is None       # it never ran within the horizon
     engine.run()
-    assert_no_leaks(engine)
+    assert_all_memory_back(engine)
 
     aging = 0.1
-    engine = sim_engine("priority", num_kv_blocks=64, max_num_seqs=1, priority_aging_s=aging)
+    engine = policy_engine("priority", num_kv_blocks=64, max_num_seqs=1, priority_aging_s=aging)
     stream, low = starving_workload(engine, horizon)
     engine.run()
     assert all(r.is_finished for r in [*stream, low])
@@ -224,7 +224,7 @@ def test_without_aging_a_low_priority_request_starves_and_aging_cures_it():
     # starts once the requests that arrived before then are done (one at a time here).
     ahead = [r for r in stream if r.arrival_time["sim"] <= low.arrival_time["sim"] + aging]
     assert start <= max(engine.trace[r.finish_step].sim_end for r in ahead) + 1e-9
-    assert_no_leaks(engine)
+    assert_all_memory_back(engine)
 
 
 def test_aging_is_a_fixed_deadline_order():
@@ -272,7 +272,7 @@ def test_vtc_keeps_two_backlogged_clients_within_the_bound(a, b, blocks, seqs):
     the whole KV pool). Both start backlogged at time 0 with counters 0, so the
     service received by each since then is its counter: we check that the
     service gap stays within 2U at every step while both are backlogged."""
-    engine = sim_engine("fair", num_kv_blocks=blocks, max_num_seqs=seqs, max_num_batched_tokens=64)
+    engine = policy_engine("fair", num_kv_blocks=blocks, max_num_seqs=seqs, max_num_batched_tokens=64)
     reqs = []
     for i in range(max(len(a), len(b))):           # interleaved arrivals, all at time 0
         for name, lens in (("a", a), ("b", b)):
@@ -282,14 +282,14 @@ def test_vtc_keeps_two_backlogged_clients_within_the_bound(a, b, blocks, seqs):
     U = max(policy.w_p * max(r.num_prompt_tokens for r in reqs), policy.w_q * blocks * 4)
     assert max_gap_while_backlogged(engine, reqs) <= 2 * U
     engine.run()
-    assert_no_leaks(engine)
+    assert_all_memory_back(engine)
 
 
 def test_fcfs_breaks_the_vtc_bound_where_vtc_keeps_it():
     """The check above can fail: one client that sent first takes everything under FCFS."""
     gaps = {}
     for policy in ("fcfs", "fair"):
-        engine = sim_engine(policy, num_kv_blocks=32, max_num_seqs=4)
+        engine = policy_engine(policy, num_kv_blocks=32, max_num_seqs=4)
         reqs = [engine.add_request([1] * 16, params(16), client_id="a") for _ in range(40)]
         reqs += [engine.add_request([2] * 16, params(16), client_id="b") for _ in range(40)]
         gaps[policy] = max_gap_while_backlogged(engine, reqs)
@@ -371,7 +371,7 @@ def test_bench_reports_per_class_and_per_client(tmp_path, capsys):
 def test_forgetting_a_request_empties_what_the_policy_kept(policy):
     """Engine.forget (a long-running server's call) reaches the policy: nothing
     about a forgotten request stays in its bookkeeping."""
-    eng = sim_engine(policy)
+    eng = policy_engine(policy)
     reqs = [eng.add_request([1, 2, 3, 4, 5], params(6), client_id=c) for c in ("a", "b", "a")]
     eng.run()
     for r in reqs:

@@ -14,7 +14,7 @@ from minibatch_engine import sampling as sampling_module
 from minibatch_engine.cli import main
 from minibatch_engine.metrics import request_metrics
 
-from .test_engine_core import assert_all_memory_back
+from ..conftest import assert_all_memory_back
 
 
 # --- 1. wrong tokens: an n > 1 fork in the same step as a verification -------------------

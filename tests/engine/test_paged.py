@@ -9,7 +9,8 @@ from minibatch_engine import Engine, EngineConfig, SamplingParams, reference_gen
 from minibatch_engine.kv import BlockManager, PagedKVCache
 from minibatch_engine.model import get_preset
 
-SIM = dict(sim_gpu="H100-SXM", sim_model="llama-3-8b")
+from ..conftest import SIM
+
 
 ops = st.lists(st.tuples(st.sampled_from(["new", "grow", "fork", "free", "compute"]),
                          st.integers(0, 7), st.integers(1, 40)), max_size=80)

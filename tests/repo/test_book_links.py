@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CHAPTER_FILES = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.ipynb"))
 EXISTING = {int(p.name[:2]) for p in CHAPTER_FILES}
 BOOK_PAGES = sorted((ROOT / "book").glob("*.md"))

@@ -9,7 +9,7 @@ from minibatch_engine.attention import (AttentionMetadata, BatchMetadata, get_at
 from minibatch_engine.attention.registry import triton_available
 from minibatch_engine.attention.cpu_kernel import cpu_kernel_available
 from minibatch_engine.attention.sdpa import SdpaBackend, length_buckets
-from minibatch_engine.kv import PagedKVCache
+from minibatch_engine.kv import KVPool, PagedKVCache
 from minibatch_engine.model import full_forward_logits, reference_generate
 
 from .attention_cases import assert_matches_reference, random_batch
@@ -101,7 +101,8 @@ def paged_greedy(model, backend, prompts, max_new, block_size, chunk):
     all in one forward over a paged cache. Returns each sequence's greedy tokens."""
     num_blocks = sum(-(-(len(p) + max_new) // block_size) for p in prompts)
     cache = PagedKVCache(model.config, num_blocks=num_blocks, block_size=block_size, dtype=model.dtype,
-                         device=model.device, enable_prefix_caching=False)
+                         enable_prefix_caching=False)
+    pool = KVPool.for_cache(cache, model.config, model.dtype, model.device)
     tokens = [list(p) for p in prompts]
     done = [0] * len(prompts)                 # tokens whose K/V are in the cache
     out = [[] for _ in prompts]
@@ -119,7 +120,7 @@ def paged_greedy(model, backend, prompts, max_new, block_size, chunk):
             done[i] += n
         meta = backend.build_metadata(ql, sl, tables, block_size, model.device)
         dev = model.device
-        logits = model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, cache)
+        logits = model(torch.tensor(ids, device=dev), torch.tensor(pos, device=dev), meta, pool)
         for row, i in enumerate(rows):
             if done[i] == len(tokens[i]):     # prompt fully in: this step samples
                 t = int(logits[row].argmax())

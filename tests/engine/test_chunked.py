@@ -7,11 +7,9 @@ from hypothesis import strategies as st
 
 from minibatch_engine import Engine, EngineConfig, SamplingParams, reference_generate
 
-SIM = dict(sim_gpu="H100-SXM", sim_model="llama-3-8b")
+from ..conftest import SIM, sim_engine
 
 
-def sim_engine(**cfg):
-    return Engine(None, EngineConfig(scheduler="continuous", **SIM, **cfg))
 
 
 @settings(max_examples=60, deadline=None)

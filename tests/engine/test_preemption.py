@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 from minibatch_engine import Engine, EngineConfig, SamplingParams, reference_generate
 from minibatch_engine.request import RequestStatus
 
-SIM = dict(sim_gpu="H100-SXM", sim_model="llama-3-8b")
+from ..conftest import SIM, assert_all_memory_back
+
 
 
 def config(mode, blocks, swap_blocks=8, block_size=4, watermark=0.0, **kw):
@@ -21,20 +22,10 @@ def make_engine(model, mode, blocks, swap_blocks=8, block_size=4, **kw):
     cfg, swap_blocks = config(mode, blocks, swap_blocks, block_size, **kw)
     engine = Engine(model, EngineConfig(**cfg, **({} if model is not None else SIM)))
     if mode == "swap":   # size the host pool in blocks of this engine's cache
-        engine2 = Engine(model, EngineConfig(**cfg, swap_space_bytes=swap_blocks * engine.kv_cache.pool.bytes_per_block,
+        engine2 = Engine(model, EngineConfig(**cfg, swap_space_bytes=swap_blocks * engine.kv_cache.bytes_per_block,
                                              **({} if model is not None else SIM)))
         return engine2
     return engine
-
-
-def assert_no_leaks(engine):
-    m = engine.kv_cache.manager
-    m.check_invariants()
-    assert m.num_used_blocks == 0 and not m.block_tables
-    swap = engine.scheduler.preemptor.swap_space
-    if swap is not None:
-        assert swap.num_free_blocks == swap.num_blocks
-        assert not swap.tables
 
 
 @settings(max_examples=60, deadline=None)
@@ -53,7 +44,7 @@ def test_tiny_budgets_always_progress_and_free_everything(lengths, blocks, mode,
         assert steps < 20_000, "no progress"
     assert [r.num_output_tokens for r in reqs] == [g for _, g in lengths]
     assert all(r.status == RequestStatus.FINISHED for r in reqs)
-    assert_no_leaks(engine)
+    assert_all_memory_back(engine)
 
 
 @settings(max_examples=10, deadline=None)
@@ -67,7 +58,7 @@ def test_preempted_requests_keep_their_exact_tokens(tiny64, lengths, blocks, mod
     engine.run()
     for r, p, (_, g) in zip(reqs, prompts, lengths):
         assert r.output_token_ids == reference_generate(tiny64, p, g)
-    assert_no_leaks(engine)
+    assert_all_memory_back(engine)
 
 
 def test_swap_really_moves_kv_and_falls_back_to_recompute(tiny64):
@@ -103,7 +94,7 @@ def test_abort_frees_blocks_wherever_the_request_is(tiny64):
                 assert not engine.kv_cache.holds(rid) and not engine.scheduler.preemptor.swap_space.holds(rid)
                 break
     assert {"running", "swapped"} <= seen
-    assert_no_leaks(engine)
+    assert_all_memory_back(engine)
     assert sum(r.finish_reason == "abort" for r in reqs) == len(seen)
 
 
@@ -119,7 +110,7 @@ def test_a_request_as_large_as_the_pool_still_finishes(mode):
             break
         engine.step()
     assert big.num_output_tokens == 40 and all(r.num_output_tokens == 30 for r in small)
-    assert_no_leaks(engine)
+    assert_all_memory_back(engine)
 
 
 def test_swap_time_is_charged_on_the_sim_clock():
@@ -149,7 +140,7 @@ def test_cuda_paged_chunked_swap_matches_cpu_reference(tiny64):
     engine = make_engine(gpu, "swap", 24, 24, max_num_seqs=4, max_model_len=96, max_num_batched_tokens=16)
     reqs = [engine.add_request(p, SamplingParams(max_tokens=25, ignore_eos=True)) for p in prompts]
     engine.run()
-    assert engine.scheduler.preemptor.swap_space.host.is_pinned()
+    assert engine.runner.host_pool.host.is_pinned()
     assert sum(r.num_preemptions for r in reqs) > 0
     assert [r.output_token_ids for r in reqs] == [reference_generate(tiny64, p, 25) for p in prompts]
-    assert_no_leaks(engine)
+    assert_all_memory_back(engine)

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CHECK_VENV = ROOT / ".venv-setupcheck"
 NOTEBOOKS = sorted((ROOT / "chapters").glob("[0-9]*.ipynb"))
 # the book-only packages that must NOT be importable there

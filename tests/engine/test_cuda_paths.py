@@ -8,7 +8,7 @@ import torch
 from minibatch_engine import build_model
 from minibatch_engine.config import EngineConfig
 from minibatch_engine.engine import Engine
-from minibatch_engine.kv import KVPool, SwapSpace
+from minibatch_engine.kv import HostKVPool, KVPool, SwapSpace
 from minibatch_engine.model import reference_generate
 from minibatch_engine.model.config import TINY
 from minibatch_engine.runner.cuda_graphs import DecodeGraphs, graph_batch_sizes
@@ -28,7 +28,7 @@ def test_cuda_graphs_switch_is_validated_and_ignored_off_cuda(tiny32):
     eng = Engine(tiny32, max_num_seqs=4, max_model_len=64, cuda_graphs=True)
     assert eng.runner.graphs is None            # CPU: every step runs eagerly
     with pytest.raises(ValueError, match="CUDA graphs need a model on CUDA"):
-        DecodeGraphs(tiny32, eng.kv_cache, eng.runner.attention, 4, 64, 0)
+        DecodeGraphs(tiny32, eng.runner.kv_pool, eng.runner.attention, 4, 64, 0)
 
 
 def _prompts():
@@ -64,13 +64,13 @@ def test_async_swap_lands_before_blocks_are_reused():
     torch.manual_seed(0)
     pool = KVPool(TINY.num_layers, 32, 16, TINY.num_kv_heads, TINY.head_dim, torch.float32, "cuda")
     pool.kv.normal_()
-    swap = SwapSpace(TINY, 8, 16, torch.float32, "cuda")
-    assert swap.host.is_pinned()
+    swap, host = SwapSpace(8, pool.bytes_per_block), HostKVPool(TINY, 8, 16, torch.float32, "cuda")
+    assert host.host.is_pinned()
     blocks, back = [3, 7, 1, 20], [30, 2, 11, 5]
     original = pool.kv[:, :, blocks].clone()
-    swap.swap_out("r", pool, blocks)
+    host.swap_out(pool, blocks, swap.swap_out("r", len(blocks)))
     pool.kv[:, :, blocks] = -1.0                 # reused right away by the compute stream
-    swap.swap_in("r", pool, back)
+    host.swap_in(pool, swap.swap_in("r"), back)
     assert torch.equal(pool.kv[:, :, back], original)
     assert swap.num_free_blocks == 8
 
@@ -78,9 +78,9 @@ def test_async_swap_lands_before_blocks_are_reused():
 def test_cpu_swap_round_trip():
     pool = KVPool(TINY.num_layers, 8, 4, TINY.num_kv_heads, TINY.head_dim, torch.float64, "cpu")
     pool.kv.normal_()
-    swap = SwapSpace(TINY, 4, 4, torch.float64)
+    swap, host = SwapSpace(4, pool.bytes_per_block), HostKVPool(TINY, 4, 4, torch.float64)
     original = pool.kv[:, :, [1, 5]].clone()
-    swap.swap_out("r", pool, [1, 5])
+    host.swap_out(pool, [1, 5], swap.swap_out("r", 2))
     pool.kv[:, :, [1, 5]] = 0
-    swap.swap_in("r", pool, [6, 0])
+    host.swap_in(pool, swap.swap_in("r"), [6, 0])
     assert torch.equal(pool.kv[:, :, [6, 0]], original)

@@ -4,20 +4,21 @@ import pytest
 import torch
 
 from minibatch_engine.attention import AttentionMetadata
-from minibatch_engine.kv import ReservedKVCache
+from minibatch_engine.kv import KVPool, ReservedKVCache
 from minibatch_engine.model import Transformer, build_model, full_forward_logits, get_preset, reference_generate
 from minibatch_engine.model.config import PRESETS, ModelConfig
 
-from .conftest import DEVICES
+from ..conftest import DEVICES
 
 
 def cached_greedy(model, prompt, n, max_model_len=128):
     """Prefill once, then decode one token per step through a reserved cache."""
-    cache = ReservedKVCache(model.config, 1, max_model_len, dtype=model.dtype, device=model.device)
+    cache = ReservedKVCache(model.config, 1, max_model_len, dtype=model.dtype)
+    pool = KVPool.for_cache(cache, model.config, model.dtype, model.device)
     cache.allocate("r", len(prompt))
     dev = model.device
     meta = AttentionMetadata.build([len(prompt)], [len(prompt)], [cache.block_table("r")], cache.block_size, dev)
-    logits = model(torch.tensor(prompt, device=dev), torch.arange(len(prompt), device=dev), meta, cache)
+    logits = model(torch.tensor(prompt, device=dev), torch.arange(len(prompt), device=dev), meta, pool)
     out, length = [], len(prompt)
     for _ in range(n):
         tok = int(logits[0].argmax())
@@ -25,7 +26,7 @@ def cached_greedy(model, prompt, n, max_model_len=128):
         length += 1
         cache.allocate("r", length)
         meta = AttentionMetadata.build([1], [length], [cache.block_table("r")], cache.block_size, dev)
-        logits = model(torch.tensor([tok], device=dev), torch.tensor([length - 1], device=dev), meta, cache)
+        logits = model(torch.tensor([tok], device=dev), torch.tensor([length - 1], device=dev), meta, pool)
     return out
 
 
@@ -43,18 +44,19 @@ def test_ragged_batch_logits_equal_each_sequence_alone(tiny64):
     seqs = [torch.randint(0, 256, (n,)).tolist() for n in (7, 19, 30)]
     new = [7, 1, 5]   # a prefill, a decode, a chunk
     cache = ReservedKVCache(tiny64.config, 3, 64, dtype=torch.float64)
+    pool = KVPool.for_cache(cache, tiny64.config, torch.float64, "cpu")
     ids, pos, ql, sl, bts = [], [], [], [], []
     for i, (s, q) in enumerate(zip(seqs, new)):
         rid = str(i)
         cache.allocate(rid, len(s))
         if len(s) > q:   # write the cached part first, alone
             m = AttentionMetadata.build([len(s) - q], [len(s) - q], [cache.block_table(rid)], 64)
-            tiny64(torch.tensor(s[:-q]), torch.arange(len(s) - q), m, cache)
+            tiny64(torch.tensor(s[:-q]), torch.arange(len(s) - q), m, pool)
         ids += s[-q:]
         pos += range(len(s) - q, len(s))
         ql.append(q), sl.append(len(s)), bts.append(cache.block_table(rid))
     meta = AttentionMetadata.build(ql, sl, bts, 64)
-    logits = tiny64(torch.tensor(ids), torch.tensor(pos), meta, cache)
+    logits = tiny64(torch.tensor(ids), torch.tensor(pos), meta, pool)
     for i, s in enumerate(seqs):
         ref = full_forward_logits(tiny64, s)[-1]
         torch.testing.assert_close(logits[i], ref, rtol=0, atol=1e-10)
@@ -66,8 +68,8 @@ def test_kv_bytes_match_formula_and_allocation():
         cache = ReservedKVCache(cfg, num_rows=3, max_model_len=100, dtype=dtype)
         per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * size
         assert cache.bytes_per_token == per_token == cfg.kv_bytes_per_token(size)
-        # the pool tensor really holds num_rows x max_model_len tokens (+ one null block)
-        assert cache.pool.kv.numel() * size == per_token * 100 * 4
+        # the runner's pool tensor really holds num_rows x max_model_len tokens (+ one null block)
+        assert KVPool.for_cache(cache, cfg, dtype, "cpu").kv.numel() * size == per_token * 100 * 4
         assert cache.capacity_bytes == per_token * 100 * 3
         cache.allocate("a", 10)
         cache.allocate("b", 30)
@@ -188,5 +190,5 @@ def test_every_tensor_on_the_model_device(device):
         llm.generate(["a", "bc"], SamplingParams(max_tokens=3), use_tqdm=False)
     finally:
         engine_module.ModelRunner.__init__ = original
-    assert llm.engine.kv_cache.pool.kv.device.type == device
+    assert llm.engine.runner.kv_pool.kv.device.type == device
     assert len(seen) == 3 and all(devices == {device} for devices in seen)

@@ -6,7 +6,8 @@ from hypothesis import strategies as st
 
 from minibatch_engine import Engine, EngineConfig, SamplingParams, reference_generate
 
-SIM = dict(sim_gpu="H100-SXM", sim_model="llama-3-8b")
+from ..conftest import SIM
+
 
 
 def check_refill_invariants(engine, reqs, max_num_seqs):

@@ -10,6 +10,8 @@ from minibatch_engine.config import SpeculativeConfig
 from minibatch_engine.request import RequestStatus
 from minibatch_engine.speculative import ngram_propose, rejection_sample, verify_greedy
 
+from ..conftest import assert_all_memory_back
+
 MAX_TOKENS = 12
 # repetitive prompts (n-gram hits), one shared 8-token prefix (prefix-cache hits)
 PROMPTS = [[1, 2, 3, 4, 1, 2, 3, 4, 1, 2, 3], [9, 8, 9, 8, 9, 8, 7, 6, 5],
@@ -68,16 +70,6 @@ def assert_prefix_cache_holds_only_real_tokens(engine, reqs):
         assert tuple(chain) in real, f"cached block {block_id} holds tokens no request has"
 
 
-def assert_no_leaks(engine):
-    m = engine.kv_cache.manager
-    m.check_invariants()
-    assert m.num_used_blocks == 0 and not m.block_tables
-    draft = getattr(engine.proposer, "kv_cache", None)
-    if draft is not None:
-        draft.manager.check_invariants()
-        assert draft.manager.num_used_blocks == 0
-
-
 CONFIGS = {
     "default": dict(),                                            # chunked budget 2048 + prefix caching
     "chunked": dict(max_num_batched_tokens=6, max_num_seqs=4, block_size=4),
@@ -108,7 +100,7 @@ def test_greedy_equals_lone_full_recompute(tiny64, other_draft, refs, method, co
         assert sum(r.num_swaps for r in reqs) > 0, "the configuration should swap"
     if CONFIGS[config].get("kv_cache") != "reserved":
         assert_prefix_cache_holds_only_real_tokens(engine, reqs)
-        assert_no_leaks(engine)
+        assert_all_memory_back(engine)
 
 
 def test_many_rejections_leak_nothing_and_cache_no_rejected_token(tiny64, other_draft):
@@ -121,7 +113,7 @@ def test_many_rejections_leak_nothing_and_cache_no_rejected_token(tiny64, other_
     assert rejected > 100
     assert [r.output_token_ids for r in reqs] == [reference_generate(tiny64, p, 20) for p in prompts]
     assert_prefix_cache_holds_only_real_tokens(engine, reqs)
-    assert_no_leaks(engine)
+    assert_all_memory_back(engine)
 
 
 def test_stop_token_and_max_tokens_inside_an_accepted_run(tiny64, refs):
@@ -137,7 +129,7 @@ def test_stop_token_and_max_tokens_inside_an_accepted_run(tiny64, refs):
     assert a.output_token_ids == refs[0][:first + 1] and str(a.finish_reason) == "stop"
     assert b.output_token_ids == refs[1][:5] and str(b.finish_reason) == "length"
     assert any(len(st.lanes) and st.spec_accepted >= 3 for st in engine.trace.steps)
-    assert_no_leaks(engine)
+    assert_all_memory_back(engine)
 
 
 def test_abort_frees_the_draft_cache(tiny64):
@@ -151,7 +143,7 @@ def test_abort_frees_the_draft_cache(tiny64):
     engine.abort("a")
     engine.run()
     assert keep.status == RequestStatus.FINISHED
-    assert_no_leaks(engine)
+    assert_all_memory_back(engine)
 
 
 def test_token_budget_counts_proposals(tiny64, refs):
@@ -219,7 +211,7 @@ def test_sampling_through_the_engine_is_seeded(tiny64):
         engine.run()
         outs.append(r.output_token_ids)
         assert len(r.output_token_ids) == 10
-        assert_no_leaks(engine)
+        assert_all_memory_back(engine)
     assert outs[0] == outs[1]
 
 

@@ -3,7 +3,7 @@ import pytest
 
 from minibatch_engine import Engine, EngineConfig, SamplingParams
 from minibatch_engine.model.config import get_preset
-from minibatch_engine.sim import GPUS, RooflineCostModel, get_gpu
+from minibatch_engine.sim import RooflineCostModel, get_gpu
 
 
 @pytest.fixture
@@ -11,10 +11,8 @@ def h100_8b():
     return RooflineCostModel(get_gpu("H100-SXM"), get_preset("llama-3-8b"))
 
 
-def test_presets_carry_published_figures_and_sources():
-    assert get_gpu("h100-sxm").peak_flops == 989e12 and get_gpu("H100-SXM").hbm_bandwidth == 3.35e12
-    assert get_gpu("A100-80GB").hbm_bandwidth == 2.039e12 and get_gpu("H200").hbm_bandwidth == 4.8e12
-    assert all("datasheet" in g.source for g in GPUS.values())
+def test_gpu_names_are_case_blind_and_unknown_ones_refused():
+    assert get_gpu("h100-sxm") is get_gpu("H100-SXM")
     with pytest.raises(ValueError, match="unknown GPU"):
         get_gpu("TPU")
 

@@ -18,18 +18,8 @@ from minibatch_engine.model import build_model, get_preset
 from minibatch_engine.request import RequestStatus
 from minibatch_engine.speculative.proposer import Proposer
 
-SIM = dict(sim_gpu="H100-SXM", sim_model="llama-3-8b")
+from ..conftest import SIM, assert_all_memory_back
 
-
-def assert_all_memory_back(engine):
-    kv = engine.kv_cache
-    assert kv.num_used_blocks == 0 and kv.reserved_bytes == 0
-    if isinstance(kv, PagedKVCache):
-        kv.manager.check_invariants()
-        assert not kv.manager.block_tables
-    swap = getattr(engine.scheduler, "preemptor", None) and engine.scheduler.preemptor.swap_space
-    if swap:
-        assert swap.num_free_blocks == swap.num_blocks and not swap.tables
 
 
 # --- structure ------------------------------------------------------------------------
@@ -313,7 +303,7 @@ class OracleProposer(Proposer):
     def propose(self, requests):
         out = {}
         for r in requests:
-            k = self.rng.randint(0, self.budget(r))
+            k = self.rng.randint(0, self.num_proposals(r))
             if k == 0:
                 continue
             key = tuple(r.prompt_token_ids)

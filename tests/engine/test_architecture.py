@@ -1,0 +1,164 @@
+"""The architecture page's import rules, checked on the source: no import
+circles between the package's modules, and no import from a layer back up
+(function-level imports count too: a lazy import is still a dependency)."""
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from minibatch_engine import Engine, SamplingParams, reference_generate
+
+PACKAGE = Path(__file__).resolve().parents[2] / "minibatch_engine"
+
+# Lowest first. A module may import from its own layer or below, never above.
+LAYERS = [
+    {"device", "inputs", "sampling", "request", "outputs"},
+    {"attention", "kv"},
+    {"model", "sim"},
+    {"scheduler", "speculative"},
+    {"runner"},
+    {"config", "trace", "metrics", "profiling", "workload"},
+    {"engine"},
+    {"llm", "async_llm", "bench", "sweep", "vs_transformers", "book"},
+    {"cli", "__main__", ""},
+]
+LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports (relative imports, at any depth)."""
+    mods, edges = _modules(), defaultdict(set)
+    for name, path in mods.items():
+        pkg = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        pkg = [p for p in pkg if p]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not (isinstance(node, ast.ImportFrom) and node.level):
+                continue
+            base = pkg[:len(pkg) - (node.level - 1)] + (node.module.split(".") if node.module else [])
+            target = ".".join(base)
+            subs = [f"{target}.{a.name}".lstrip(".") for a in node.names]
+            subs = [s for s in subs if s in mods]
+            for t in (subs if len(subs) == len(node.names) else [target, *subs]):
+                if t in mods and t != name:
+                    edges[name].add(t)
+    return edges
+
+
+def _cycles(edges) -> list[list[str]]:
+    index, low, stack, on, out, counter = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = counter[0]
+        counter[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+    for v in list(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_the_package_has_no_import_circles():
+    assert _cycles(import_graph()) == []
+
+
+def test_no_module_imports_from_a_layer_above_it():
+    top = lambda m: m.split(".")[0]   # noqa: E731
+    assert set(map(top, _modules())) <= set(LAYER), "a new top-level module needs a layer here"
+    upward = [f"{a} -> {b}" for a, bs in import_graph().items() for b in bs if LAYER[top(b)] > LAYER[top(a)]]
+    assert upward == []
+
+
+def test_the_check_sees_a_circle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def _tensors_reachable(obj, seen=None, depth=0):
+    """Every torch.Tensor reachable from ``obj`` through attributes and containers."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen or depth > 12 or isinstance(obj, (str, bytes, int, float, type(None))):
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, dict):
+        items = list(obj.values())
+    elif isinstance(obj, (list, tuple, set, frozenset)) or type(obj).__name__ == "deque":
+        items = list(obj)
+    elif hasattr(obj, "__dict__") or hasattr(obj, "__slots__"):
+        names = list(getattr(obj, "__dict__", {})) + [s for c in type(obj).__mro__
+                                                        for s in getattr(c, "__slots__", ())]
+        items = [getattr(obj, n, None) for n in names]
+    else:
+        return []
+    return [t for item in items for t in _tensors_reachable(item, seen, depth + 1)]
+
+
+def test_the_scheduler_holds_no_tensor_and_schedule_moves_no_kv_bytes(tiny64):
+    """Forks (copy-on-write) and swap preemption: the scheduler decides the
+    copies, the runner makes them; while schedule() runs, not a byte of the
+    device or host KV pool changes."""
+    engine = Engine(tiny64, max_num_seqs=4, max_model_len=48, block_size=4, num_kv_blocks=14, watermark=0.0,
+                    preemption_mode="swap", swap_space_bytes=2**20, max_num_batched_tokens=8)
+    assert _tensors_reachable(engine.scheduler) == []
+    pools = [engine.runner.kv_pool.kv, engine.runner.host_pool.pool.kv]
+    schedule, kinds = engine.scheduler.schedule, set()
+
+    def watched(now=None):
+        before = [p.clone() for p in pools]
+        out = schedule(now)
+        assert all(torch.equal(a, b) for a, b in zip(before, pools))
+        kinds.update(c.kind for c in out.block_copies)
+        return out
+    engine.scheduler.schedule = watched
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8, 9, 10, 11, 12], [13, 14, 15]]
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=16, n=2, ignore_eos=True)) for p in prompts]
+    engine.run()
+    assert kinds == {"copy", "swap_out", "swap_in"}          # every kind of copy happened
+    for r, p in zip(reqs, prompts):
+        assert [s.output_token_ids for s in engine.samples_of(r.request_id)] == \
+            [reference_generate(tiny64, p, 16)] * 2
+
+
+def test_a_waiting_request_is_hashed_once_not_every_step(tiny64):
+    """vLLM keeps a request's block hashes on the request; a head-of-line request
+    that cannot be admitted used to be rehashed, block by block, every step."""
+    engine = Engine(tiny64, max_num_seqs=2, max_model_len=64, block_size=4, num_kv_blocks=14, watermark=0.0)
+    hashed = []
+    real = engine.kv_cache.manager.hash_fn
+    engine.kv_cache.manager.hash_fn = lambda parent, tokens: hashed.append(tokens) or real(parent, tokens)
+    first = engine.add_request(list(range(1, 21)), SamplingParams(max_tokens=12, ignore_eos=True))
+    waiting = engine.add_request(list(range(100, 140)), SamplingParams(max_tokens=2, ignore_eos=True))
+    mine = {tuple(range(100 + i, 104 + i)) for i in range(0, 40, 4)}
+    while not first.is_finished:
+        engine.step()                          # the second waits for KV blocks, step after step
+        assert waiting.num_computed_tokens == 0
+    looked = [t for t in hashed if t in mine]
+    assert len(looked) == len(set(looked)) == 9          # each of its 9 full prompt blocks, once
+    engine.run()
+    assert waiting.output_token_ids == reference_generate(tiny64, list(range(100, 140)), 2)
