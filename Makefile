@@ -55,6 +55,8 @@ unit: $(STAMP)  ## unit, property and equivalence tests (pytest tests/)
 # time at the end); every notebook runs even when one fails, and the target
 # fails at the end, naming the ones that failed.
 nbval: $(STAMP)  ## re-run every chapter and compare with its stored outputs
+	@# the C++ kernels are built (or found cached) first, so no chapter's output carries the build message
+	@$(PY) -c "from minibatch_engine.attention.cpu_kernel import cpu_kernel_or_none; cpu_kernel_or_none()"
 	@failed=""; n=0; total=$(words $(NOTEBOOKS)); \
 	for nb in $(NOTEBOOKS); do \
 	  n=$$((n + 1)); t0=$$(date +%s); \

@@ -1,15 +1,18 @@
 """The engine: one loop, swappable parts.
 
     add_request -> (Proposer: guessed tokens, chapter 9) -> Scheduler.schedule() -> SchedulerOutput
-                                 |
-         KV cache manager <- Runner.execute()   (the real model, or SimRunner)
+                                 |   (the KV cache manager, the scheduler's bookkeeping,
+                                 |    decides blocks and block copies; plain data out)
+                                 v
+               Runner.execute()   (the KV pool and the real model, or SimRunner)
                                  |
               Scheduler.update_from_output() -> finished requests
                                  |
                     Engine: outputs, metrics, trace
 
-Each part owns its state: the scheduler owns requests and their progress, the
-KV manager owns blocks, the runner owns tensors and sampling state. The engine
+Each part owns its state: the scheduler owns requests and their progress, and
+(through its KV cache manager) the accounting of blocks; the runner owns
+tensors (the KV pool, every byte moved in it) and sampling state. The engine
 only releases arrivals on its clock, moves the step's outputs between the
 parts, and records the trace.
 """

@@ -11,8 +11,8 @@ real token plus the proposals, verified in the same forward.
 
 A request is plain data (no tensors). The scheduler is the only part that
 changes it, in ``Scheduler.update_from_output`` and ``Scheduler.finish_requests``;
-the model runner reads it and keeps its sampling state (a seeded generator per
-request id) itself.
+the model runner never sees it (it reads the step's ``SchedulerOutput``) and
+keeps its sampling state (a seeded generator per request id) itself.
 """
 from __future__ import annotations
 

@@ -27,9 +27,17 @@ def get_attention_backend(name: str = "auto", device: torch.device | str = "cpu"
     if name == "auto":
         if dev.type == "cuda" and triton_available():
             name = "triton"
+        elif dev.type == "cpu":
+            from .cpp_backend import CppBackend
+            from .cpu_kernel import KernelUnavailable, cpu_kernel_available
+            if cpu_kernel_available():
+                try:
+                    return CppBackend()            # builds the kernel the first time
+                except KernelUnavailable:          # the build failed (said once on stderr)
+                    pass
+            name = "sdpa"
         else:
-            from .cpu_kernel import cpu_kernel_available
-            name = "cpp" if dev.type == "cpu" and cpu_kernel_available() else "sdpa"
+            name = "sdpa"
     if name == "reference":
         from .reference import REFERENCE
         return REFERENCE

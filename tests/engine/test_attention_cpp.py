@@ -1,5 +1,7 @@
 """The C++ paged-attention kernel for the CPU (``attention/csrc``): what the
 shared backend tests in test_attention_backends.py do not reach."""
+import os
+import shutil
 import subprocess
 import sys
 
@@ -132,3 +134,46 @@ def test_the_build_cache_key_follows_source_flags_and_cpu(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(cpu_kernel, "_cpu_signature", lambda: "another cpu")
     assert cpu_kernel.extension_name() != name
+
+
+@needs_kernel
+@pytest.mark.parametrize("what, match", [
+    ("slot", "outside the pool's"), ("block", "outside the pool's"), ("table", "needs 2 blocks"),
+    ("query_start", "query_start"), ("context", "tokens of context"),
+])
+def test_indices_outside_the_pool_are_refused_before_any_work(what, match):
+    """A wrong slot or block id used to read or write outside the pool's memory."""
+    kernel = cpu_kernel.load_cpu_kernel()
+    T, H, D, bs, blocks = 3, 2, 16, 4, 5
+    q, k, v = (torch.randn(T, H, D) for _ in range(3))
+    k_cache, v_cache = torch.zeros(blocks * bs, H, D), torch.zeros(blocks * bs, H, D)
+    slots = torch.tensor([4, 5, 6])
+    table = torch.tensor([[0, 1]])
+    seq_lens, qstart = torch.tensor([7]), torch.tensor([0, 3])
+    args = dict(slot=slots, table=table, seq_lens=seq_lens, qstart=qstart)
+    kernel.paged_attention(q, k, v, k_cache, v_cache, slots, table, seq_lens, qstart, bs, True)   # fine
+    if what == "slot":
+        args["slot"] = torch.tensor([4, 5, blocks * bs])
+    elif what == "block":
+        args["table"] = torch.tensor([[0, blocks]])
+    elif what == "table":
+        args["table"] = torch.tensor([[0]])
+    elif what == "query_start":
+        args["qstart"] = torch.tensor([0, 2])
+    else:
+        args["seq_lens"] = torch.tensor([2])
+    with pytest.raises(RuntimeError, match=match):
+        kernel.paged_attention(q, k, v, k_cache, v_cache, args["slot"], args["table"], args["seq_lens"],
+                               args["qstart"], bs, True)
+
+
+def test_asking_whether_the_kernel_is_available_builds_nothing(monkeypatch):
+    """cpu_kernel_available() used to compile the kernels (minutes) as a side effect."""
+    monkeypatch.setattr(cpu_kernel, "_module", None)
+    monkeypatch.setattr(cpu_kernel, "_error", None)
+    import torch.utils.cpp_extension as ext
+
+    def no_build(*a, **kw):
+        raise AssertionError("a build was started")
+    monkeypatch.setattr(ext, "load", no_build)
+    assert cpu_kernel_available() == (shutil.which(os.environ.get("CXX", "c++")) is not None)

@@ -16,18 +16,15 @@
 //
 // With a cache, the step's new K/V are first written to their slots
 // (slot_mapping), then read back like any other key. Without a cache the keys
-// are the step's own new tokens: row query_start[s] + p of k and v. Accumulation is in float32 (float64 for float64
-// inputs, so the float64 checks stay exact).
+// are the step's own new tokens: row query_start[s] + p of k and v. Accumulation
+// is in float32 (float64 for float64 inputs, so the float64 checks stay exact).
 //
-// For float32 and float64 caches with a head size of 64 or 128 (the common ones), the
-// two inner loops are written with explicit SIMD vectors (GCC/Clang vector types):
-// the passes below keep a few heads' query or accumulator rows in registers while
-// they walk the tile's K or V rows front to back. Left to itself, the compiler kept
-// the accumulators in memory and summed each dot product's lanes one by one (and,
-// with the loops reordered, vectorised the loop over keys, with gathers). On an
-// AVX-512 CPU the explicit passes took about half the time per key on K/V already
-// in cache, and made the workload's decode attention about an eighth faster. Other
-// dtypes and head sizes take the plain loops: the same algorithm.
+// A tile's two inner loops, the scores and the weighted sum, are plain loops
+// here (scores_plain, weighted_sum_plain). For float32 and float64 caches with a
+// head size of 64 or 128 they run as explicit-SIMD passes instead
+// (simd_passes.h): the same arithmetic, a few heads' rows held in vector
+// registers. Every index the kernel follows (slots, block-table entries,
+// sequence lengths) is checked against the pool before any work starts.
 //
 // Compiled with -ffast-math (compile step only: the library does not link the
 // runtime that would flush denormals for the whole process) so that exp() is
@@ -44,7 +41,14 @@
 #include <type_traits>
 #include <vector>
 
+#include "simd_passes.h"
+
 namespace {
+
+using minibatch_simd::in_passes;
+using minibatch_simd::scores_pass;
+using minibatch_simd::Simd;
+using minibatch_simd::weighted_sum_pass;
 
 constexpr int64_t TILE = 32;   // key positions scored before each rescale of acc
 constexpr int LANES = 16;     // independent partial sums, so the compiler can vectorise the dot product
@@ -62,103 +66,31 @@ inline acc_t dot(const acc_t* q, const scalar_t* k, int64_t D_runtime) {
   return s;
 }
 
-// ---- Explicit SIMD: float32 / float64 caches, a compile-time head size ----------------
-
-#if defined(__AVX512F__)
-constexpr int VEC_BYTES = 64, VEC_REGS = 32;   // one zmm register per vector
-#else
-constexpr int VEC_BYTES = 32, VEC_REGS = 16;   // AVX2 ymm (elsewhere the compiler splits them)
-#endif
-
-template <typename T>
-struct Simd {
-  typedef T vec __attribute__((vector_size(VEC_BYTES), aligned(sizeof(T))));   // unaligned loads allowed
-  typedef T vec16 __attribute__((vector_size(16), aligned(sizeof(T))));   // a 16-byte piece
-  static constexpr int64_t width = VEC_BYTES / sizeof(T);
-  // heads per pass: their query (or accumulator) rows fill half the vector registers
-  template <int64_t DC>
-  static constexpr int64_t heads_per_pass =
-      std::max<int64_t>(1, VEC_REGS / 2 / std::max<int64_t>(1, DC / width));
-};
-
-// the sum of a vector's lanes: its 16-byte pieces folded into one with vector adds,
-// then 4 (float32) or 2 (float64) scalar adds
-template <typename T>
-inline T lane_sum(const typename Simd<T>::vec& v) {
-  typename Simd<T>::vec16 acc, part;
-  std::memcpy(&acc, &v, 16);
-  for (int b = 16; b < VEC_BYTES; b += 16) {
-    std::memcpy(&part, reinterpret_cast<const char*>(&v) + b, 16);
-    acc += part;
-  }
-  T s = 0;
-  for (int l = 0; l < int(16 / sizeof(T)); ++l) s += acc[l];
-  return s;
-}
-
-// A pass's registers: the rows of heads h0 .. h0 + NH - 1 (of a [Hq, DC] array),
-// and where each head's KV head starts in a K or V row.
-template <int64_t DC, int64_t NH, typename T>
-inline void load_pass(typename Simd<T>::vec (&rows)[NH][DC / Simd<T>::width],
-                      int64_t (&kv_offset)[NH], const T* src, int64_t h0, int64_t G) {
-  using vec = typename Simd<T>::vec;
-  for (int64_t h = 0; h < NH; ++h) {
-    kv_offset[h] = ((h0 + h) / G) * DC;
-    for (int64_t i = 0; i < DC / Simd<T>::width; ++i)
-      rows[h][i] = reinterpret_cast<const vec*>(src + (h0 + h) * DC)[i];
-  }
-}
-
-// One pass over a tile of n keys for the NH heads h0 .. h0 + NH - 1, their queries in
-// registers: score[h][j] = q[h] . K[slot[j]][h / G]. Each K row is read once per pass.
-template <int64_t DC, int64_t NH, typename T>
-inline void scores_pass(T* score, const T* q, const T* k, int64_t k_row, const int64_t* slot,
-                        int64_t n, int64_t h0, int64_t G) {
-  using vec = typename Simd<T>::vec;
-  constexpr int64_t NV = DC / Simd<T>::width;
-  vec qv[NH][NV];
-  int64_t kv_offset[NH];
-  load_pass<DC, NH>(qv, kv_offset, q, h0, G);
+// A tile's scores, plainly: score[h * TILE + j] = q[h] . K[slot[j]][h / G] for its n keys,
+// every head reading each K row while it is in cache.
+template <int64_t DC, typename acc_t, typename scalar_t>
+inline void scores_plain(acc_t* score, const acc_t* q, const scalar_t* k, int64_t k_row,
+                         const int64_t* slot, int64_t n, int64_t Hq, int64_t G, int64_t D) {
   for (int64_t j = 0; j < n; ++j) {
-    const T* krow = k + slot[j] * k_row;
-    for (int64_t h = 0; h < NH; ++h) {
-      const vec* kr = reinterpret_cast<const vec*>(krow + kv_offset[h]);
-      vec p = qv[h][0] * kr[0];
-      for (int64_t i = 1; i < NV; ++i) p += qv[h][i] * kr[i];
-      score[(h0 + h) * TILE + j] = lane_sum<T>(p);
+    const scalar_t* krow = k + slot[j] * k_row;
+    for (int64_t h = 0; h < Hq; ++h)
+      score[h * TILE + j] = dot<DC>(&q[h * D], krow + (h / G) * D, D);
+  }
+}
+
+// A tile's weighted sum, plainly: acc[h] += sum_j score[h * TILE + j] * V[slot[j]][h / G].
+template <typename acc_t, typename scalar_t>
+inline void weighted_sum_plain(acc_t* acc, const acc_t* score, const scalar_t* v, int64_t v_row,
+                               const int64_t* slot, int64_t n, int64_t Hq, int64_t G, int64_t D) {
+  for (int64_t j = 0; j < n; ++j) {
+    const scalar_t* vrow = v + slot[j] * v_row;
+    for (int64_t h = 0; h < Hq; ++h) {
+      const acc_t w = score[h * TILE + j];
+      const scalar_t* vr = vrow + (h / G) * D;
+      acc_t* a = &acc[h * D];
+      for (int64_t d = 0; d < D; ++d) a[d] += w * static_cast<acc_t>(vr[d]);
     }
   }
-}
-
-// The same pass for the weighted sum, the heads' accumulators in registers:
-// acc[h] += sum_j score[h][j] * V[slot[j]][h / G].
-template <int64_t DC, int64_t NH, typename T>
-inline void weighted_sum_pass(T* acc, const T* score, const T* v, int64_t v_row, const int64_t* slot,
-                              int64_t n, int64_t h0, int64_t G) {
-  using vec = typename Simd<T>::vec;
-  constexpr int64_t NV = DC / Simd<T>::width;
-  vec a[NH][NV];
-  int64_t kv_offset[NH];
-  load_pass<DC, NH>(a, kv_offset, acc, h0, G);
-  for (int64_t j = 0; j < n; ++j) {
-    const T* vrow = v + slot[j] * v_row;
-    for (int64_t h = 0; h < NH; ++h) {
-      const vec* vr = reinterpret_cast<const vec*>(vrow + kv_offset[h]);
-      const T w = score[(h0 + h) * TILE + j];
-      for (int64_t i = 0; i < NV; ++i) a[h][i] += w * vr[i];
-    }
-  }
-  for (int64_t h = 0; h < NH; ++h)
-    for (int64_t i = 0; i < NV; ++i) reinterpret_cast<vec*>(acc + (h0 + h) * DC)[i] = a[h][i];
-}
-
-// Runs pass(nh, h0) over heads 0 .. Hq - 1: passes of NH heads, then single heads
-// (nh is a std::integral_constant, so each pass is compiled for its head count).
-template <int64_t NH, typename Pass>
-inline void in_passes(int64_t Hq, Pass&& pass) {
-  int64_t h0 = 0;
-  for (; h0 + NH <= Hq; h0 += NH) pass(std::integral_constant<int64_t, NH>{}, h0);
-  for (; h0 < Hq; ++h0) pass(std::integral_constant<int64_t, 1>{}, h0);
 }
 
 template <typename scalar_t, int64_t DC>
@@ -227,6 +159,26 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
     std::vector<acc_t> qf(Hq * D), acc(Hq * D), m(Hq), l(Hq), score(Hq * TILE);
     std::vector<int64_t> slot(TILE), next_slot(TILE);
+    // a tile's two inner loops: the explicit-SIMD passes where they apply, else the plain loops
+    auto scores = [&](int64_t n) {
+      if constexpr (simd_ok) {
+        if (simd)
+          return in_passes<NH>(Hq, [&](auto nh, int64_t h0) {
+            scores_pass<DC, decltype(nh)::value>(score.data(), TILE, qf.data(), kp, k_row, slot.data(), n, h0, G);
+          });
+      }
+      scores_plain<DC>(score.data(), qf.data(), kp, k_row, slot.data(), n, Hq, G, D);
+    };
+    auto weighted_sum = [&](int64_t n) {
+      if constexpr (simd_ok) {
+        if (simd)
+          return in_passes<NH>(Hq, [&](auto nh, int64_t h0) {
+            weighted_sum_pass<DC, decltype(nh)::value>(acc.data(), score.data(), TILE, vp, v_row, slot.data(), n,
+                                                       h0, G);
+          });
+      }
+      weighted_sum_plain(acc.data(), score.data(), vp, v_row, slot.data(), n, Hq, G, D);
+    };
     for (int64_t c = chunk_begin; c < chunk_end; ++c)
     for (int64_t t = c; t < T; t += chunks) {
       const int64_t s = seq_of[t];
@@ -253,22 +205,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
             __builtin_prefetch(vp + next_slot[j] * v_row);
           }
         }
-        // scores of every head for the tile's keys: each K row is read once by all heads
-        // (by each pass of NH heads, on the SIMD path)
-        if constexpr (simd_ok) {
-          if (simd)
-            in_passes<NH>(Hq, [&](auto nh, int64_t h0) {
-              scores_pass<DC, decltype(nh)::value>(score.data(), qf.data(), kp, k_row, slot.data(), n,
-                                                   h0, G);
-            });
-        }
-        if (!simd) {
-          for (int64_t j = 0; j < n; ++j) {
-            const scalar_t* krow = kp + slot[j] * k_row;
-            for (int64_t h = 0; h < Hq; ++h)
-              score[h * TILE + j] = dot<DC>(&qf[h * D], krow + (h / G) * D, D);
-          }
-        }
+        scores(n);   // every head's scores for the tile's keys
         for (int64_t h = 0; h < Hq; ++h) {
           acc_t* sc = &score[h * TILE];
           acc_t tile_max = lowest;
@@ -285,25 +222,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
           acc_t* a = &acc[h * D];
           for (int64_t d = 0; d < D; ++d) a[d] *= alpha;
         }
-        // then every head's weighted sum of the tile's V rows, each row read once (per pass)
-        if constexpr (simd_ok) {
-          if (simd)
-            in_passes<NH>(Hq, [&](auto nh, int64_t h0) {
-              weighted_sum_pass<DC, decltype(nh)::value>(acc.data(), score.data(), vp, v_row, slot.data(),
-                                                         n, h0, G);
-            });
-        }
-        if (!simd) {
-          for (int64_t j = 0; j < n; ++j) {
-            const scalar_t* vrow = vp + slot[j] * v_row;
-            for (int64_t h = 0; h < Hq; ++h) {
-              const acc_t w = score[h * TILE + j];
-              const scalar_t* vr = vrow + (h / G) * D;
-              acc_t* a = &acc[h * D];
-              for (int64_t d = 0; d < D; ++d) a[d] += w * static_cast<acc_t>(vr[d]);
-            }
-          }
-        }
+        weighted_sum(n);   // then every head's weighted sum of the tile's V rows
       }
       for (int64_t h = 0; h < Hq; ++h) {
         scalar_t* dst = op + (t * Hq + h) * D;
@@ -312,6 +231,40 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       }
     }
   });
+}
+
+// Every index the kernel will follow, checked before any work: a wrong slot or block id
+// would read or write outside the pool. query_start runs 0 .. T without going back; a
+// sequence's context holds at least its new tokens (exactly them without a cache); with a
+// cache every slot, and every block-table entry the context reaches, lies in the pool.
+void check_indices(int64_t T, int64_t num_slots, const at::Tensor& slot_mapping, const at::Tensor& block_tables,
+                   const at::Tensor& seq_lens, const at::Tensor& query_start, int64_t block_size, bool paged) {
+  const int64_t S = seq_lens.size(0);
+  const int64_t* qs = query_start.data_ptr<int64_t>();
+  const int64_t* sl = seq_lens.data_ptr<int64_t>();
+  TORCH_CHECK(qs[0] == 0 && qs[S] == T, "paged_attention: query_start must run from 0 to the ", T, " tokens");
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t q_len = qs[s + 1] - qs[s];
+    TORCH_CHECK(q_len >= 0, "paged_attention: query_start goes back at sequence ", s);
+    TORCH_CHECK(paged ? sl[s] >= q_len : sl[s] == q_len, "paged_attention: sequence ", s, " has ", sl[s],
+                " tokens of context for ", q_len, " new ones");
+  }
+  if (!paged) return;
+  TORCH_CHECK(num_slots % block_size == 0, "paged_attention: ", num_slots, " slots are not whole blocks of ",
+              block_size);
+  const int64_t num_blocks = num_slots / block_size, width = block_tables.size(1);
+  const int64_t* sm = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sm[t] >= 0 && sm[t] < num_slots, "paged_attention: slot ", sm[t], " of token ", t,
+                " is outside the pool's ", num_slots, " slots");
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t used = (sl[s] + block_size - 1) / block_size;
+    TORCH_CHECK(used <= width, "paged_attention: sequence ", s, " needs ", used, " blocks; its table has ", width);
+    for (int64_t b = 0; b < used; ++b)
+      TORCH_CHECK(bt[s * width + b] >= 0 && bt[s * width + b] < num_blocks, "paged_attention: block ",
+                  bt[s * width + b], " in sequence ", s, "'s table is outside the pool's ", num_blocks, " blocks");
+  }
 }
 
 }  // namespace
@@ -351,6 +304,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                     block_tables.dim() == 2 && block_tables.size(0) == seq_lens.size(0),
                 "paged_attention: block tables must be contiguous int64 [S, max_blocks], block_size > 0");
   }
+  check_indices(q.size(0), paged ? k_cache.size(0) : 0, slot_mapping, block_tables, seq_lens, query_start,
+                block_size, paged);
   auto out = at::empty(q.sizes(), q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     // the common head sizes get their own compiled loops (fully unrolled over D)
