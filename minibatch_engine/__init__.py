@@ -5,12 +5,13 @@ Front doors: ``LLM(model).generate(prompts, SamplingParams(...))`` (offline),
 ``python -m minibatch_engine {generate,bench,simulate,sweep}``.
 """
 from .async_llm import AsyncLLM, StreamOutput
-from .config import EngineConfig, SpeculativeConfig
+from .config import EngineConfig
 from .engine import Engine
 from .llm import LLM, RequestOutput
 from .model import ModelConfig, build_model, get_preset, load_model, reference_generate
 from .request import Request, RequestStatus
 from .sampling import SamplingParams
+from .speculative.config import SpeculativeConfig
 from .workload import make_workload
 
 __all__ = ["LLM", "RequestOutput", "AsyncLLM", "StreamOutput", "SamplingParams", "Engine", "EngineConfig",

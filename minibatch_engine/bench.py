@@ -31,9 +31,9 @@ def summarize(engine: Engine, requests, ps=DEFAULT_PERCENTILES, goodput=None) ->
         "finished_requests": sum(r.is_finished for r in requests),
         "wall_seconds": wall,
         "output_tokens_per_second": out_tokens / wall if wall > 0 else float("nan"),
-        "peak_running": int(trace.column("num_running").max()) if len(trace) else 0,
+        "peak_running": int(trace.column("num_scheduled").max()) if len(trace) else 0,
         # mean share of the batch's max_num_seqs places computing a live request's tokens
-        "batch_utilization": float(trace.column("num_running").mean()) / engine.config.max_num_seqs
+        "batch_utilization": float(trace.column("num_scheduled").mean()) / engine.config.max_num_seqs
         if len(trace) else float("nan"),
         "kv_cache": engine.config.kv_cache,
         "kv_capacity_bytes": engine.kv_cache.capacity_bytes,
@@ -175,7 +175,7 @@ def run_bench(scheduler: str = "continuous", workload: str = "uniform", num_requ
     ps = parse_percentiles(percentiles)
     goodput = parse_goodput(goodput)
     if speculative_method is not None:
-        from .config import SpeculativeConfig
+        from .speculative.config import SpeculativeConfig
         engine_options["speculative"] = SpeculativeConfig(
             speculative_method, num_speculative_tokens, sim_acceptance_rate=sim_acceptance_rate,
             draft_model=None if simulate_only or speculative_method != "draft_model" else (draft_model or "tiny"))

@@ -10,11 +10,13 @@ import os
 import sys
 
 from .attention import BACKENDS
-from .config import KV_CACHES, SCHEDULER_NAMES, SPEC_METHODS
+from .kv.config import KV_CACHES
+from .scheduler.config import SCHEDULER_NAMES
 from .scheduler.policy import POLICIES
 from .scheduler.preemption import PREEMPTION_MODES
 from .model.config import PRESETS
 from .sim import GPUS
+from .speculative.config import SPEC_METHODS
 from .workload import CLASS_WORKLOADS, DEFAULT_SLO_E2E_S, DEFAULT_SLO_TTFT_S, parse_clients, workload_names
 
 FORMATTER = argparse.ArgumentDefaultsHelpFormatter

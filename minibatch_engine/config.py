@@ -1,4 +1,9 @@
-"""The engine's knobs, validated in one place.
+"""The engine's knobs: one flat keyword interface for users, composed of the
+owners' configs (:class:`SchedulerConfig`, :class:`CacheConfig`,
+:class:`RunnerConfig`, :class:`SimConfig`, :class:`SpeculativeConfig`), each
+validated where it is used; ``EngineConfig`` itself checks only what crosses
+owners (static batching needs the reserved cache, swap needs the paged one,
+speculation needs the continuous scheduler).
 
 Names follow vLLM where it has the same knob. The defaults are a serving
 engine's: iteration-level scheduling, a paged KV cache with prefix caching,
@@ -8,82 +13,21 @@ for the chapters that teach them.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields, replace
 
-from .attention.registry import BACKENDS
-from .model.config import ModelConfig, get_preset
-from .scheduler.continuous import check_token_budget
-from .scheduler.policy import POLICIES
-from .scheduler.preemption import PREEMPTION_MODES, VICTIMS
+from .kv.config import CacheConfig
+from .model.config import ModelConfig
+from .runner.config import RunnerConfig
+from .scheduler.config import SchedulerConfig, check_token_budget
+from .sim.config import SimConfig
+from .speculative.config import SpeculativeConfig
 
-SCHEDULER_NAMES = ("continuous", "static")
-KV_CACHES = ("paged", "reserved")         # and "auto": paged, or reserved for static batching
-SPEC_METHODS = ("ngram", "draft_model")
 # The token budget when none is given: vLLM ships 2048 to 16384 depending on the
 # device and the entry point; 2048 keeps one step short on a CPU.
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048
 # KV memory for a real model on the CPU when no budget is given (vLLM's CPU
 # backend defaults to 4 GiB; this keeps a laptop comfortable).
 DEFAULT_CPU_KV_BYTES = 512 * 2**20
-
-
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
-@dataclass
-class SpeculativeConfig:
-    """Speculative decoding (chapter 9): guess ``num_speculative_tokens`` (k) tokens
-    per decoding request cheaply, verify them in the target's next forward.
-
-    method: ``"ngram"`` (prompt lookup: the k tokens that followed the latest
-        earlier occurrence of the request's last n tokens, n tried from
-        ``prompt_lookup_max`` down to ``prompt_lookup_min``) or ``"draft_model"``
-        (a small model with the same vocabulary runs k greedy steps).
-    draft_model: for ``"draft_model"``: a Transformer, ``"tiny"`` or a checkpoint
-        directory (loaded on the target's device and dtype).
-    sim_acceptance_rate: simulator only (no model): each proposed token is
-        accepted with this probability, in order, until the first rejection (a
-        seeded Bernoulli: an assumption, since acceptance depends on the text).
-    sim_draft_model: simulator only: the preset whose roofline prices the
-        draft's k steps (``"draft_model"``; default ``"llama-3.2-1b"``).
-    seed: seeds the simulator's acceptance draws.
-
-    Greedy requests give the same tokens with and without speculation. A seeded
-    sampled request does not: rejection sampling consumes its generator
-    differently, so it keeps the output's distribution, not the draws.
-    """
-    method: str = "ngram"
-    num_speculative_tokens: int = 3
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 3
-    draft_model: object = None
-    sim_acceptance_rate: float = 0.7
-    sim_draft_model: str | ModelConfig | None = None
-    seed: int = 0
-
-    def __post_init__(self):
-        if self.method not in SPEC_METHODS:
-            raise ValueError(f"speculative method={self.method!r} is not one of "
-                             f"{', '.join(map(repr, SPEC_METHODS))}")
-        for name, low in (("num_speculative_tokens", 1), ("prompt_lookup_min", 1), ("prompt_lookup_max", 1),
-                          ("seed", 0)):
-            v = getattr(self, name)
-            if not _is_int(v) or v < low:
-                raise ValueError(f"speculative {name} must be an integer >= {low}, got {v!r}")
-        if self.prompt_lookup_min > self.prompt_lookup_max:
-            raise ValueError(f"speculative prompt_lookup_min ({self.prompt_lookup_min}) must be <= "
-                             f"prompt_lookup_max ({self.prompt_lookup_max})")
-        a = self.sim_acceptance_rate
-        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0.0 <= a <= 1.0:
-            raise ValueError(f"speculative sim_acceptance_rate must be a number in [0, 1], got {a!r}")
-        if self.method != "draft_model" and self.draft_model is not None:
-            raise ValueError("draft_model is only used with method='draft_model'")
-        if isinstance(self.sim_draft_model, str):
-            get_preset(self.sim_draft_model)
-        elif self.sim_draft_model is not None and not isinstance(self.sim_draft_model, ModelConfig):
-            raise ValueError(f"sim_draft_model must be a preset name or a ModelConfig, got {self.sim_draft_model!r}")
 
 
 @dataclass
@@ -166,73 +110,11 @@ class EngineConfig:
     step_overhead_s: float = 1e-3
 
     def __post_init__(self):
-        def choice(name, options):
-            v = getattr(self, name)
-            if v not in options:
-                raise ValueError(f"{name}={v!r} is not one of {', '.join(map(repr, options))}")
-
-        def integer(name, low, optional=False):
-            v = getattr(self, name)
-            if optional and v is None:
-                return
-            if not _is_int(v) or v < low:
-                raise ValueError(f"{name} must be an integer >= {low}{' or None' if optional else ''}, "
-                                 f"got {v!r}")
-
-        def number(name, low, high, low_open=False, high_open=False):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) \
-                    or v < low or v > high or (low_open and v == low) or (high_open and v == high):
-                lo, hi = "(" if low_open else "[", ")" if high_open else "]"
-                raise ValueError(f"{name} must be a number in {lo}{low}, {high}{hi}, got {v!r}")
-
-        choice("scheduler", SCHEDULER_NAMES)
-        choice("kv_cache", KV_CACHES + ("auto",))
+        self.scheduler_config, self.cache_config, self.runner_config, self.sim_config   # each validates itself
         kv = self.kv_layout
-        choice("preemption_mode", PREEMPTION_MODES)
-        choice("preemption_victim", VICTIMS)
-        choice("attention_backend", BACKENDS)
-        choice("policy", POLICIES)
-        if self.priority_aging_s is not None:
-            number("priority_aging_s", 0.0, 1e9, low_open=True)
-            if self.policy != "priority":
-                raise ValueError(f"priority_aging_s={self.priority_aging_s!r} needs policy='priority' "
-                                 f"(policy is {self.policy!r})")
-        if self.client_weights is not None:
-            if self.policy != "fair":
-                raise ValueError(f"client_weights needs policy='fair' (policy is {self.policy!r})")
-            if not isinstance(self.client_weights, dict) or not all(
-                    not isinstance(w, bool) and isinstance(w, (int, float)) and math.isfinite(w) and w > 0
-                    for w in self.client_weights.values()):
-                raise ValueError(f"client_weights must map client ids to numbers > 0, got {self.client_weights!r}")
-        if self.policy != "fcfs":
-            if self.scheduler != "continuous":
-                raise ValueError(f"policy={self.policy!r} needs the continuous scheduler (static batching "
-                                 "forms its batches in arrival order)")
-            if self.preemption_victim != "latest":
-                raise ValueError(f"preemption_victim={self.preemption_victim!r} applies to policy='fcfs'; "
-                                 f"under policy={self.policy!r} the policy chooses the victim")
-        integer("max_num_seqs", 1)
-        integer("max_model_len", 2, optional=True)
-        integer("block_size", 1)
-        integer("kv_budget_bytes", 1, optional=True)
-        integer("num_kv_blocks", 1, optional=True)
-        integer("max_num_partial_prefills", 1)
-        integer("swap_space_bytes", 0)
-        number("gpu_memory_utilization", 0.0, 1.0, low_open=True)
-        number("watermark", 0.0, 1.0, high_open=True)
-        number("step_overhead_s", 0.0, 1e3)
-        for name in ("enable_prefix_caching", "enable_chunked_prefill", "cuda_graphs"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.max_num_batched_tokens != "auto":
-            integer("max_num_batched_tokens", 1, optional=True)
-        if self.scheduler == "static":
-            if kv != "reserved":
-                raise ValueError("static batching runs on the reserved cache: pass kv_cache='reserved' "
-                                 "(or leave kv_cache='auto')")
-            if self.max_num_batched_tokens not in ("auto", None):
-                raise ValueError("a token budget (max_num_batched_tokens) needs the continuous scheduler")
+        if self.scheduler == "static" and kv != "reserved":
+            raise ValueError("static batching runs on the reserved cache: pass kv_cache='reserved' "
+                             "(or leave kv_cache='auto')")
         if self.preemption_mode == "swap" and kv != "paged":
             raise ValueError("swap preemption needs the paged KV cache (kv_cache='paged')")
         if self.speculative is not None:
@@ -241,13 +123,29 @@ class EngineConfig:
                                  "(build one: SpeculativeConfig(method='ngram', num_speculative_tokens=3))")
             if self.scheduler != "continuous":
                 raise ValueError("speculative decoding needs the continuous scheduler (scheduler='continuous')")
-        if self.sim_gpu is not None:
-            from .sim import get_gpu
-            get_gpu(self.sim_gpu)
-        if isinstance(self.sim_model, str):
-            get_preset(self.sim_model)
-        elif self.sim_model is not None and not isinstance(self.sim_model, ModelConfig):
-            raise ValueError(f"sim_model must be a preset name or a ModelConfig, got {self.sim_model!r}")
+
+    def _part(self, cls):
+        return cls(**{f.name: getattr(self, f.name) for f in fields(cls)})
+
+    @property
+    def scheduler_config(self) -> SchedulerConfig:
+        """The scheduler's knobs (validated there)."""
+        return self._part(SchedulerConfig)
+
+    @property
+    def cache_config(self) -> CacheConfig:
+        """The KV cache's knobs (validated there)."""
+        return self._part(CacheConfig)
+
+    @property
+    def runner_config(self) -> RunnerConfig:
+        """The model runner's knobs (validated there)."""
+        return self._part(RunnerConfig)
+
+    @property
+    def sim_config(self) -> SimConfig:
+        """The simulator's knobs (validated there)."""
+        return self._part(SimConfig)
 
     @property
     def kv_layout(self) -> str:

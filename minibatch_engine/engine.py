@@ -351,7 +351,7 @@ class Engine:
             step=sched.step, lanes=lanes, batch_id=sched.batch_id,
             computed_tokens=useful + sched.num_padding_tokens, useful_tokens=useful,
             prefill_tokens=prefill, decode_tokens=useful - prefill,
-            num_running=len(sched.scheduled), sampled_tokens=result.num_sampled_tokens,
+            num_scheduled=len(sched.scheduled), sampled_tokens=result.num_sampled_tokens,
             kv_reserved_bytes=self.kv_cache.reserved_bytes, kv_used_bytes=self.kv_cache.used_bytes,
             kv_capacity_bytes=self.kv_cache.capacity_bytes,
             wall_start=started[0], wall_end=self.wall_now(),

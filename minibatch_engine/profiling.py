@@ -106,14 +106,14 @@ def time_shares(trace, attention_s: float = float("nan"), min_running: int = 48)
     steps = trace.steps
     if not steps:
         raise ValueError("the trace has no steps: run the engine first")
-    big = [st for st in steps if st.prefill_tokens == 0 and st.num_running >= min_running]
+    big = [st for st in steps if st.prefill_tokens == 0 and st.num_scheduled >= min_running]
     big_step = sum(st.wall_dt for st in big)
     return TimeShares(
         num_steps=len(steps), step_s=sum(st.wall_dt for st in steps),
         model_s=sum(st.forward_s + st.sample_s for st in steps), attention_s=attention_s,
         big_steps=len(big), big_step_s=big_step,
         big_engine_s=big_step - sum(st.forward_s + st.sample_s for st in big),
-        big_requests=sum(st.num_running for st in big), min_running=min_running)
+        big_requests=sum(st.num_scheduled for st in big), min_running=min_running)
 
 
 def profile_run(engine) -> TimeShares:

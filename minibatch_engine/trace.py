@@ -30,7 +30,7 @@ class StepRecord:
     useful_tokens: int          # rows that belong to a live request's real tokens
     prefill_tokens: int
     decode_tokens: int
-    num_running: int            # requests computing real tokens this step
+    num_scheduled: int          # requests computing real tokens this step (padding lanes not counted)
     sampled_tokens: int         # output tokens produced
     kv_reserved_bytes: int
     kv_used_bytes: int

@@ -67,9 +67,6 @@ class BlockManager:
         """The block table of ``request_id`` (KeyError if it holds none)."""
         return self.block_tables[request_id]
 
-    def holds(self, request_id: str) -> bool:
-        return request_id in self.block_tables
-
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 

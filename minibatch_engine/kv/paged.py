@@ -16,10 +16,10 @@ import torch
 
 from ..outputs import BlockCopy
 from .block_manager import BlockManager
-from .base import NO_PREFIX, BlockAccounting, CachedPrefix
+from .base import NO_PREFIX, CachedPrefix, KVCacheManager
 
 
-class PagedKVCache(BlockAccounting):
+class PagedKVCache(KVCacheManager):
     """``num_blocks`` blocks of ``block_size`` tokens, handed out on demand
     (``dtype`` sizes the bytes the trace reports; no memory is taken here)."""
 
@@ -28,7 +28,7 @@ class PagedKVCache(BlockAccounting):
                  watermark: float = 0.01, hash_fn=None):
         if not 0 <= watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
-        self._init_accounting(model_config, num_blocks, block_size, dtype)
+        super().__init__(model_config, num_blocks, block_size, dtype)
         kwargs = {} if hash_fn is None else {"hash_fn": hash_fn}
         self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching, **kwargs)
         # Admission keeps a few blocks free so running requests can still grow.
@@ -102,9 +102,6 @@ class PagedKVCache(BlockAccounting):
 
     def block_table(self, request_id: str) -> list[int]:
         return self.manager.table(request_id)
-
-    def holds(self, request_id: str) -> bool:
-        return self.manager.holds(request_id)
 
     def first_block(self, request_id: str) -> int:
         table = self.manager.block_tables.get(request_id)    # (the trace asks this per request per step)

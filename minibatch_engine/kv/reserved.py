@@ -14,10 +14,10 @@ from typing import Sequence
 
 import torch
 
-from .base import NO_PREFIX, BlockAccounting, CachedPrefix
+from .base import NO_PREFIX, CachedPrefix, KVCacheManager
 
 
-class ReservedKVCache(BlockAccounting):
+class ReservedKVCache(KVCacheManager):
     """``num_rows`` rows, each a reservation of ``max_model_len`` tokens
     (``dtype`` sizes the bytes; the runner's pool holds the rows themselves)."""
 
@@ -29,7 +29,7 @@ class ReservedKVCache(BlockAccounting):
         if not isinstance(max_model_len, int) or max_model_len <= 0:
             raise ValueError(f"max_model_len must be a positive integer, got {max_model_len!r}")
         self.max_model_len = max_model_len
-        self._init_accounting(model_config, num_rows, max_model_len, dtype)
+        super().__init__(model_config, num_rows, max_model_len, dtype)
         self.free_rows: list[int] = list(range(num_rows))
         self.row_of: dict[str, int] = {}         # request_id -> row
         self.num_tokens: dict[str, int] = {}     # request_id -> tokens with K/V
@@ -82,9 +82,6 @@ class ReservedKVCache(BlockAccounting):
         raise ValueError("swap preemption needs the paged KV cache (kv_cache='paged')")
 
     swap_out = can_swap_in = swap_in = _no_swap
-
-    def holds(self, request_id: str) -> bool:
-        return request_id in self.row_of
 
     def free(self, request_id: str) -> None:
         row = self.row_of.pop(request_id, None)

@@ -7,9 +7,12 @@ applies it.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from ..outputs import RunnerOutput, SchedulerOutput
 
 
-class Runner:
+class Runner(ABC):
+    @abstractmethod
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        raise NotImplementedError
+        """Carry out one step: the block copies, then the forward (or its modelled time)."""

@@ -18,6 +18,7 @@ Every step the engine calls, in this order:
 from __future__ import annotations
 
 import re
+from abc import ABC, abstractmethod
 from dataclasses import replace
 from typing import Iterable
 
@@ -37,7 +38,7 @@ def sample_params(p, k: int):
     return replace(p, n=1, seed=None if p.seed is None else p.seed + k)
 
 
-class Scheduler:
+class Scheduler(ABC):
     """Base class: the request registry and the update rule every scheduler shares.
 
     Subclasses decide who runs (:meth:`_schedule`) and keep their queues
@@ -228,25 +229,26 @@ class Scheduler:
         self._release(request)
 
     # --- what subclasses implement ----------------------------------------------
+    @abstractmethod
     def _schedule(self) -> SchedulerOutput:
-        raise NotImplementedError
+        """This step's decision (``schedule`` adds forks, block tables and copies)."""
 
+    @abstractmethod
     def _enqueue(self, request: Request) -> None:
         """A new request joins the waiting queue."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _add_running(self, request: Request) -> None:
         """A forked sample starts out running."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _remove(self, request: Request) -> None:
         """Take an unfinished request out of the queues (it is being ended)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def _release(self, request: Request) -> None:
         """A request finished: give its memory back (now, or when its batch ends)."""
-        raise NotImplementedError
 
+    @abstractmethod
     def has_unfinished(self) -> bool:
-        raise NotImplementedError
-
+        """Any request still waiting, running or swapped out."""

@@ -35,25 +35,10 @@ from dataclasses import replace
 
 from ..request import Request, RequestStatus
 from ..outputs import ScheduledRequest, SchedulerOutput
+from .config import check_token_budget
 from .base import Scheduler
 from .policy import FCFSPolicy, SchedulingPolicy
 from .preemption import Preemptor
-
-
-def check_token_budget(budget: int | None, chunked: bool, max_num_seqs: int, max_model_len: int) -> None:
-    """A budget must leave room for progress: at least one token per running
-    sequence with chunking, a whole longest prompt without it."""
-    if budget is None:
-        return
-    if chunked and budget < max_num_seqs:
-        raise ValueError(
-            f"max_num_batched_tokens ({budget}) must be >= max_num_seqs ({max_num_seqs}), "
-            "or decode tokens could fill every step and starve prefills")
-    if not chunked and budget < max_model_len:
-        raise ValueError(
-            f"without chunked prefill max_num_batched_tokens ({budget}) must be >= max_model_len "
-            f"({max_model_len}), or a long prompt could never be scheduled; raise the budget or "
-            "enable chunked prefill")
 
 
 class _Step:

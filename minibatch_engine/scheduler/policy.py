@@ -58,7 +58,7 @@ class SchedulingPolicy:
     """Base class: arrival bookkeeping and the hooks the scheduler calls.
 
     ``key(r)`` orders requests (smaller runs first); ``select`` admits the
-    smallest waiting key; ``pick_victim`` preempts the largest running key.
+    smallest waiting key; ``choose_victim`` preempts the largest running key.
     """
 
     name = "base"
@@ -107,7 +107,7 @@ class SchedulingPolicy:
         """The waiting request to admit next."""
         return min(waiting, key=self.key)
 
-    def pick_victim(self, running: Sequence[Request], default: Callable[[Sequence[Request]], Request]) -> Request:
+    def choose_victim(self, running: Sequence[Request], default: Callable[[Sequence[Request]], Request]) -> Request:
         """The running request that gives its memory back when one cannot grow.
         ``default`` is the preemptor's own rule (``preemption_victim``)."""
         return max(running, key=self.key)
@@ -133,7 +133,7 @@ class FCFSPolicy(SchedulingPolicy):
     def select(self, waiting):
         return waiting[0]
 
-    def pick_victim(self, running, default):
+    def choose_victim(self, running, default):
         return default(running)
 
 

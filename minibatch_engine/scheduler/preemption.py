@@ -40,7 +40,7 @@ class Preemptor:
         """The running request that gives its memory back: the policy's choice
         (FCFS defers to ``victim``: "latest" or "most_blocks")."""
         if self.policy is not None:
-            return self.policy.pick_victim(running, self._by_rule)
+            return self.policy.choose_victim(running, self._by_rule)
         return self._by_rule(running)
 
     def _by_rule(self, running: list[Request]) -> Request:

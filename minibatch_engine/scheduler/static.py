@@ -34,6 +34,10 @@ class StaticScheduler(Scheduler):
                              "use the continuous scheduler with the paged cache")
         self.waiting.append(request)
 
+    def _add_running(self, request: Request) -> None:
+        raise ValueError("static batching runs no forked samples: parallel sampling (n > 1) needs "
+                         "the continuous scheduler and the paged cache")
+
     def _remove(self, request: Request) -> None:
         if request in self.waiting:
             self.waiting.remove(request)

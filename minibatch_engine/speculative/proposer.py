@@ -14,10 +14,12 @@ roofline.
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from ..request import Request
 
 
-class Proposer:
+class Proposer(ABC):
     """Base class. ``num_speculative_tokens`` (k): most guesses per request and step."""
 
     def __init__(self, num_speculative_tokens: int):
@@ -29,8 +31,9 @@ class Proposer:
         """Guesses worth making: at most k, and never past max_tokens (``Request.max_proposals``)."""
         return min(self.k, r.max_proposals)
 
+    @abstractmethod
     def propose(self, requests: list[Request]) -> dict[str, list[int]]:
-        raise NotImplementedError
+        """Request id -> its proposed tokens (at most ``num_proposals(r)`` each)."""
 
     def free_except(self, live_ids: set[str]) -> None:
         """Forget every request not in ``live_ids`` (stateless proposers keep nothing)."""

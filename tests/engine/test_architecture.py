@@ -13,7 +13,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "minibatch_engine"
 
 # Lowest first. A module may import from its own layer or below, never above.
 LAYERS = [
-    {"device", "inputs", "sampling", "request", "outputs"},
+    {"checks", "device", "inputs", "sampling", "request", "outputs"},
     {"attention", "kv"},
     {"model", "sim"},
     {"scheduler", "speculative"},
@@ -162,3 +162,30 @@ def test_a_waiting_request_is_hashed_once_not_every_step(tiny64):
     assert len(looked) == len(set(looked)) == 9          # each of its 9 full prompt blocks, once
     engine.run()
     assert waiting.output_token_ids == reference_generate(tiny64, list(range(100, 140)), 2)
+
+
+def test_each_owner_validates_its_own_knobs_behind_the_flat_interface():
+    """EngineConfig keeps one flat keyword interface; each owner's config checks
+    its own fields, and EngineConfig only what crosses owners."""
+    import pytest
+
+    from minibatch_engine import EngineConfig
+    from minibatch_engine.kv.config import CacheConfig
+    from minibatch_engine.runner.config import RunnerConfig
+    from minibatch_engine.scheduler.config import SchedulerConfig
+    from minibatch_engine.sim.config import SimConfig
+    cfg = EngineConfig(max_num_seqs=8, block_size=4, attention_backend="sdpa", sim_gpu="H100-SXM")
+    assert cfg.scheduler_config == SchedulerConfig(max_num_seqs=8)
+    assert cfg.cache_config == CacheConfig(block_size=4)
+    assert cfg.runner_config == RunnerConfig(attention_backend="sdpa")
+    assert cfg.sim_config == SimConfig(sim_gpu="H100-SXM")
+    for owner, kwargs, field in [(SchedulerConfig, dict(max_num_seqs=0), "max_num_seqs"),
+                                 (CacheConfig, dict(watermark=1.0), "watermark"),
+                                 (RunnerConfig, dict(attention_backend="cuda"), "attention_backend"),
+                                 (SimConfig, dict(step_overhead_s=-1), "step_overhead_s")]:
+        with pytest.raises(ValueError, match=field):
+            owner(**kwargs)
+        with pytest.raises(ValueError, match=field):      # the same message through the flat interface
+            EngineConfig(**kwargs)
+    with pytest.raises(ValueError, match="reserved cache"):  # a rule across owners stays with EngineConfig
+        EngineConfig(scheduler="static", kv_cache="paged")

@@ -16,7 +16,7 @@ def check_refill_invariants(engine, reqs, max_num_seqs):
     for s in engine.trace.steps:
         running = [r for r in reqs if r.first_scheduled_step is not None
                    and r.first_scheduled_step <= s.step <= r.finish_step]
-        assert s.num_running == len(running) <= max_num_seqs
+        assert s.num_scheduled == len(running) <= max_num_seqs
         waiting = [r for r in reqs if r.arrival_step <= s.step
                    and (r.first_scheduled_step is None or r.first_scheduled_step > s.step)]
         if len(running) < max_num_seqs:

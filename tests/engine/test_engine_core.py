@@ -249,7 +249,7 @@ def _abort_when(tiny64, engine_kwargs, predicate, prompts, max_tokens=12):
             victim = next((r for r in reqs if predicate(engine, r)), None)
             if victim is not None:
                 engine.abort(victim.request_id)
-                assert victim.finish_reason == "abort" and not engine.kv_cache.holds(victim.request_id)
+                assert victim.finish_reason == "abort" and engine.kv_cache.first_block(victim.request_id) == -1
         engine.step()
     assert victim is not None, "the state was never reached"
     for r, p in zip(reqs, prompts):

@@ -86,7 +86,7 @@ def test_paged_equals_reserved_equals_recompute(tiny64, lengths, block_size, sha
     eng, paged = run(tiny64, prompts, outs, max_num_seqs=3, kv_cache="paged", block_size=block_size)
     # internal fragmentation: less than one block per running sequence
     for s in eng.trace.steps:
-        assert 0 <= s.kv_fragmentation_bytes < max(1, s.num_running + 1) * block_size * eng.kv_cache.bytes_per_token
+        assert 0 <= s.kv_fragmentation_bytes < max(1, s.num_scheduled + 1) * block_size * eng.kv_cache.bytes_per_token
     _, no_cache = run(tiny64, prompts, outs, max_num_seqs=3, kv_cache="paged", block_size=block_size,
                       enable_prefix_caching=False)
     assert reserved == paged == no_cache == [reference_generate(tiny64, p, g) for p, g in zip(prompts, outs)]

@@ -91,7 +91,7 @@ def test_abort_frees_blocks_wherever_the_request_is(tiny64):
                 seen.add(state)
                 engine.abort(rid)
                 engine.kv_cache.manager.check_invariants()
-                assert not engine.kv_cache.holds(rid) and not engine.scheduler.preemptor.swap_space.holds(rid)
+                assert engine.kv_cache.first_block(rid) == -1 and not engine.scheduler.preemptor.swap_space.holds(rid)
                 break
     assert {"running", "swapped"} <= seen
     assert_all_memory_back(engine)

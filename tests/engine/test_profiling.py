@@ -30,8 +30,8 @@ def test_the_split_adds_up_and_the_timer_counts_every_layer_call(tiny32):
     shares = time_shares(eng.trace, spent["seconds"], min_running=2)
     assert 0 < shares.attention < 1 and 0 < shares.rest_of_model < 1 and 0 < shares.engine < 1
     assert math.isclose(shares.attention + shares.rest_of_model + shares.engine, 1.0)
-    big = [st for st in eng.trace.steps if st.prefill_tokens == 0 and st.num_running >= 2]
-    assert shares.big_steps == len(big) > 0 and shares.big_requests == sum(st.num_running for st in big)
+    big = [st for st in eng.trace.steps if st.prefill_tokens == 0 and st.num_scheduled >= 2]
+    assert shares.big_steps == len(big) > 0 and shares.big_requests == sum(st.num_scheduled for st in big)
     assert 0 < shares.engine_at_large_batch < 1 and shares.engine_us_per_request > 0
     d = shares.as_dict()
     assert d["steps"] == len(eng.trace) and d["attention"] == shares.attention

@@ -25,7 +25,7 @@ def hand_trace():
     for k, end in enumerate(STEP_ENDS):
         start = STEP_ENDS[k - 1] if k else 0.0
         trace.append(StepRecord(step=k, lanes=[], batch_id=None, computed_tokens=1, useful_tokens=1,
-                                prefill_tokens=0, decode_tokens=1, num_running=1, sampled_tokens=1,
+                                prefill_tokens=0, decode_tokens=1, num_scheduled=1, sampled_tokens=1,
                                 kv_reserved_bytes=0, kv_used_bytes=0, kv_capacity_bytes=0,
                                 wall_start=start, wall_end=end, sim_start=start, sim_end=end))
     reqs = []
@@ -353,7 +353,7 @@ def test_trace_max_steps_keeps_the_last_steps():
     trace = Trace(max_steps=16)
     for k in range(100):
         trace.append(StepRecord(step=k, lanes=[], batch_id=None, computed_tokens=1, useful_tokens=1,
-                                prefill_tokens=0, decode_tokens=1, num_running=1, sampled_tokens=1,
+                                prefill_tokens=0, decode_tokens=1, num_scheduled=1, sampled_tokens=1,
                                 kv_reserved_bytes=0, kv_used_bytes=0, kv_capacity_bytes=0,
                                 wall_start=0.0, wall_end=0.0))
     assert 16 <= len(trace) <= 18 and trace[-1].step == 99 and trace[0].step == trace.num_dropped

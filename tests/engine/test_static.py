@@ -145,4 +145,4 @@ def test_nothing_dropped_and_ids_unique(tiny64):
     done = engine.run()
     assert sorted(r.request_id for r in done) == sorted(r.request_id for r in reqs)
     assert all(r.num_output_tokens == r.sampling_params.max_tokens for r in reqs)
-    assert all(s.num_running <= 3 for s in engine.trace.steps)
+    assert all(s.num_scheduled <= 3 for s in engine.trace.steps)

@@ -1,0 +1,26 @@
+"""The simulator's knobs (composed by ``EngineConfig``)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..checks import check_number
+from ..model.config import ModelConfig, get_preset
+from .hardware import get_gpu
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """With a GPU name, every step is also timed by the cost model of
+    ``sim_model`` on ``sim_gpu`` (see :class:`~minibatch_engine.config.EngineConfig`)."""
+    sim_gpu: str | None = None
+    sim_model: str | ModelConfig | None = None
+    step_overhead_s: float = 1e-3
+
+    def __post_init__(self):
+        check_number("step_overhead_s", self.step_overhead_s, 0.0, 1e3)
+        if self.sim_gpu is not None:
+            get_gpu(self.sim_gpu)
+        if isinstance(self.sim_model, str):
+            get_preset(self.sim_model)
+        elif self.sim_model is not None and not isinstance(self.sim_model, ModelConfig):
+            raise ValueError(f"sim_model must be a preset name or a ModelConfig, got {self.sim_model!r}")
