@@ -41,7 +41,7 @@ from typing import AsyncIterator, Callable, Sequence
 
 from .config import EngineConfig
 from .engine import Engine
-from .inputs import as_token_ids, encode_text
+from .inputs import as_token_ids, check_arrival_time, encode_text
 from .metrics import RequestTiming
 from .request import FinishReason, Request
 from .sampling import SamplingParams
@@ -162,6 +162,7 @@ class AsyncLLM:
     async def abort(self, request_id: str) -> None:
         """End a request from outside; its stream yields a last output with
         ``finish_reason="abort"`` and its KV memory is freed before the next step."""
+        self._check_loop()
         st = self._streams.get(str(request_id))
         if st is not None:
             self._abort_soon(st)
@@ -176,25 +177,29 @@ class AsyncLLM:
     async def shutdown(self) -> None:
         """Stop the engine loop (unfinished streams are aborted) and release its
         thread. It returns normally after an engine failure too; a second call
-        does nothing, and ``stream`` refuses new requests afterwards."""
+        does nothing, and ``stream`` refuses new requests afterwards. Call it
+        from the event loop the streams use."""
         if self._closed:
             return
+        self._check_loop()
         self._closed = True
         for st in list(self._streams.values()):
             self._abort_soon(st)
         task, self._task = self._task, None
-        if task is not None and not task.done():
-            if task.get_loop() is asyncio.get_running_loop():
+        try:
+            if task is not None and not task.done():
                 if self._error is None:
-                    await self.wait_idle()
+                    try:
+                        await self.wait_idle()
+                    except Exception:           # the engine failed meanwhile: the streams were told
+                        pass
                 task.cancel()
                 try:
                     await task
                 except asyncio.CancelledError:
                     pass
-            else:                               # started on another event loop: stop it there
-                task.get_loop().call_soon_threadsafe(task.cancel)
-        self._executor.shutdown(wait=True)
+        finally:
+            self._executor.shutdown(wait=True)
 
     async def __aenter__(self):
         return self
@@ -221,14 +226,19 @@ class AsyncLLM:
         if self._error is not None:
             raise RuntimeError("the engine loop has failed") from self._error
         loop = asyncio.get_running_loop()
+        self._check_loop()
         if self._task is not None and not self._task.done():
-            if self._task.get_loop() is loop:
-                return
-            raise RuntimeError("this AsyncLLM's engine loop is running on another event loop (another "
-                               "thread, or an asyncio.run still going): stream from that loop, or create "
-                               "one AsyncLLM per event loop")
+            return
         self._wake = asyncio.Event()
         self._task = loop.create_task(self._run(), name="AsyncLLM engine loop")
+
+    def _check_loop(self) -> None:
+        """Refuse a call from an event loop other than the one the engine loop runs on."""
+        if self._task is not None and not self._task.done() and \
+                self._task.get_loop() is not asyncio.get_running_loop():
+            raise RuntimeError("this AsyncLLM's engine loop is running on another event loop (another "
+                               "thread, or an asyncio.run still going): call it from that loop, or create "
+                               "one AsyncLLM per event loop")
 
     def _take_inbox(self) -> None:
         """Apply the aborts and new requests that came in since the last step."""
@@ -357,5 +367,6 @@ async def open_loop(llm: AsyncLLM, requests: Sequence, arrival_times: Sequence[f
             prompt, params, at = r.prompt_token_ids, r.sampling_params(), r.arrival_time
         else:
             (prompt, params), at = r, arrival_times[i]
+        at = check_arrival_time(at, f"requests[{i}]: arrival time")   # a wall clock waits for it
         jobs.append(one(i, prompt, params, at))
     return list(await asyncio.gather(*jobs))

@@ -34,8 +34,9 @@ def _checked(convert, test, what: str):
     def parse(text):
         try:
             value = convert(text)
-        except (TypeError, ValueError):
-            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        except (TypeError, ValueError) as e:
+            detail = "" if convert in (int, float) else f" ({e})"
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}{detail}") from None
         if not test(value):
             raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
         return value
@@ -111,7 +112,8 @@ def _bench_args(p: argparse.ArgumentParser, simulate: bool, sweep: bool = False)
                         "preemption), fair (VTC between clients)")
     p.add_argument("--priority-aging-s", type=positive_float, default=None, metavar="S",
                    help="priority policy: a request gains one priority level per S seconds in the system")
-    p.add_argument("--clients", type=parse_clients, default=None, metavar="NAME:RATE,...",
+    p.add_argument("--clients", type=_checked(parse_clients, lambda v: True, "NAME:RATE,... (e.g. a:8,b:1)"),
+                   default=None, metavar="NAME:RATE,...",
                    help="multi-tenant workload: a Poisson stream per client, e.g. a:8,b:1,c:1 "
                         "(requests/s; replaces --arrival-rate)")
     for flag, what, field, default in (("--slo-ttft-ms", "TTFT", "slo_ttft_s", DEFAULT_SLO_TTFT_S),

@@ -359,7 +359,8 @@ class Engine:
             preempted=list(sched.preempted), swap_bytes=sched.swap_bytes,
             sim_start=sim_start, sim_end=sim_end,
             spec_proposed=sum(s.num_spec_tokens for s in verified), num_verifications=len(verified),
-            spec_accepted=sum(len(result.sampled_token_ids[s.request_id]) - 1 for s in verified),
+            spec_accepted=sum(len(result.sampled_token_ids[s.request_id]) - 1 for s in verified
+                              if s.request_id in result.sampled_token_ids),   # (not one that failed)
             draft_s=draft[0], draft_sim_s=draft[1] if sim_start is not None else None))
 
     def run(self, progress=None) -> list[Request]:

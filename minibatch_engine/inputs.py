@@ -69,10 +69,11 @@ def encode_text(tokenizer, text: str, where: str) -> list[int]:
     """``tokenizer.encode(text)``, with a text that is not valid Unicode (a lone
     surrogate, say) refused by name instead of a bare ``UnicodeEncodeError``."""
     try:
-        return tokenizer.encode(text)
+        text.encode("utf-8")          # checked here: tokenizers fail on it each in their own way
     except UnicodeEncodeError as e:
         raise ValueError(f"{where}: the text cannot be encoded as UTF-8 ({e.reason}: "
                          f"{e.object[e.start:e.end]!r} at character {e.start})") from None
+    return tokenizer.encode(text)
 
 
 def as_prompt_list(prompts) -> list:

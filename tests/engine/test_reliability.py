@@ -336,3 +336,102 @@ def test_scheduler_outputs_are_plain_data_and_survive_pickle(tiny64, options):
     for r, p in zip(reqs, prompts):
         for sample in engine.samples_of(r.request_id):
             assert sample.output_token_ids == reference_generate(tiny64, p, 14)
+
+
+# --- found by a second read of the fixes above ------------------------------------------------
+def test_a_failing_verification_ends_its_request_not_the_batch(tiny64, monkeypatch):
+    """A sampled request failing while its proposals were verified used to end the
+    step with a KeyError in the trace record: every request was lost."""
+    from minibatch_engine.runner import model_runner
+    real = model_runner.sampling_probs
+
+    def probs(logits, p):
+        if p.top_k == 7:
+            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
+        return real(logits, p)
+    monkeypatch.setattr(model_runner, "sampling_probs", probs)      # fails inside verification only
+    spec = SpeculativeConfig("ngram", 2, prompt_lookup_min=1, prompt_lookup_max=2)
+    llm = LLM(tiny64, max_num_seqs=4, speculative=spec)
+    bad = SamplingParams(max_tokens=40, temperature=1.0, top_k=7, seed=0, ignore_eos=True)
+    good, bad_out = llm.generate([[1, 2, 3], [1, 2, 3]], [SamplingParams(max_tokens=40, ignore_eos=True), bad],
+                                 use_tqdm=False)
+    assert bad_out.finish_reason == "error" and "verification failed" in llm.engine.requests["1"].error
+    assert good.token_ids == reference_generate(tiny64, [1, 2, 3], 40)
+    assert sum(s.num_verifications for s in llm.engine.trace.steps) > 0
+    assert_all_memory_back(llm.engine)
+
+
+def test_shutdown_from_another_event_loop_is_refused_and_the_streams_go_on(tiny32):
+    """It used to cancel the loop from afar and leave the streams waiting forever."""
+    llm = AsyncLLM(tiny32, max_num_seqs=2)
+    started, refused = threading.Event(), {}
+
+    async def serve():
+        toks = []
+        async for o in llm.stream([1, 2, 3], SamplingParams(max_tokens=20, ignore_eos=True)):
+            toks.append(o.token_id)
+            if len(toks) == 1:
+                started.set()
+                while "error" not in refused:
+                    await asyncio.sleep(0.01)
+        await llm.shutdown()
+        return toks
+
+    out = {}
+    t = threading.Thread(target=lambda: out.update(toks=asyncio.run(serve())))
+    t.start()
+    assert started.wait(60)
+
+    async def shut():
+        try:
+            await llm.shutdown()
+        except RuntimeError as e:
+            refused["error"] = str(e)
+    asyncio.run(shut())
+    t.join(60)
+    assert "another event loop" in refused["error"]
+    assert out["toks"] == reference_generate(tiny32, [1, 2, 3], 20)
+
+
+def test_shutdown_releases_the_step_thread_even_if_the_engine_fails_meanwhile(tiny32, monkeypatch):
+    llm = AsyncLLM(tiny32, max_num_seqs=2)
+    real = llm.engine.step
+
+    def step():
+        if llm._closed:
+            raise RuntimeError("the engine broke during shutdown")
+        return real()
+    monkeypatch.setattr(llm.engine, "step", step)
+
+    async def main():
+        stream = llm.stream([1, 2], SamplingParams(max_tokens=50, ignore_eos=True))
+        await stream.__anext__()
+        await llm.shutdown()                    # used to re-raise and keep the thread
+        await stream.aclose()
+    asyncio.run(main())
+    assert llm._executor._shutdown
+
+
+def test_text_that_is_not_unicode_is_refused_whatever_the_tokenizer():
+    """A Hugging Face tokenizer raised a bare TypeError for a lone surrogate."""
+    from minibatch_engine.inputs import encode_text
+
+    class Picky:
+        def encode(self, text):
+            raise TypeError("TextInputSequence must be str")
+    with pytest.raises(ValueError, match=r"prompts\[1\].*UTF-8"):
+        encode_text(Picky(), "bad \ud800", "prompts[1]")
+
+
+def test_an_open_loop_client_refuses_arrivals_it_would_wait_years_for(tiny32):
+    """sweep --rates 1e-300 on the real model slept forever."""
+    from minibatch_engine.async_llm import open_loop
+    llm = AsyncLLM(tiny32, max_num_seqs=2)
+
+    async def main():
+        try:
+            await open_loop(llm, [([1, 2], SamplingParams(max_tokens=1))], arrival_times=[1e300])
+        finally:
+            await llm.shutdown()
+    with pytest.raises(ValueError, match=r"requests\[0\]: arrival time"):
+        asyncio.run(main())
