@@ -35,7 +35,7 @@ def summarize(engine: Engine, requests, ps=DEFAULT_PERCENTILES, goodput=None) ->
         # mean share of the batch's max_num_seqs places computing a live request's tokens
         "batch_utilization": float(trace.column("num_scheduled").mean()) / engine.config.max_num_seqs
         if len(trace) else float("nan"),
-        "kv_cache": engine.config.kv_cache,
+        "kv_layout": engine.config.kv_layout,
         "kv_capacity_bytes": engine.kv_cache.capacity_bytes,
         "kv_utilization": trace.kv_utilization(),
         "prefix_cache_hit_tokens": sum(r.num_cached_tokens for r in requests),
@@ -138,7 +138,7 @@ def cpu_name() -> str:
 def warmup(model, steps: int = 4) -> None:
     """A few throwaway steps so first-call costs do not land in a timed run."""
     from .sampling import SamplingParams
-    eng = Engine(model, EngineConfig(max_num_seqs=2, max_model_len=64, kv_cache="reserved",
+    eng = Engine(model, EngineConfig(max_num_seqs=2, max_model_len=64, kv_layout="reserved",
                                      max_num_batched_tokens=None))
     for i in range(2):
         eng.add_request([1] * 16, SamplingParams(max_tokens=steps, ignore_eos=True))
@@ -160,7 +160,7 @@ def run_bench(scheduler: str = "continuous", workload: str = "uniform", num_requ
     (``"ngram"`` or ``"draft_model"``, with ``draft_model``) turns on speculative
     decoding with ``num_speculative_tokens`` proposals; the simulator accepts
     each with probability ``sim_acceptance_rate``. ``engine_options`` are
-    further :class:`EngineConfig` fields (``kv_cache``, ``kv_budget_bytes``,
+    further :class:`EngineConfig` fields (``kv_layout``, ``kv_budget_bytes``,
     ``block_size``, ``max_num_batched_tokens``, ``preemption_mode``, ``policy``,
     ``priority_aging_s``, ...).
     ``percentiles`` and ``goodput`` (SLOs in ms, ``{"ttft": 200}`` or
@@ -272,8 +272,8 @@ def format_report(summary: dict, simulated: bool = False) -> str:
             (name, " / ".join(_fmt(s.get(f"{key}_ms_{p}")) for p in pk))
             for name, key in (("TTFT", "ttft"), ("TPOT", "tpot"), ("ITL", "itl"), ("E2EL", "e2el"))]),
         ("KV memory", [
-            ("cache", f"{s['kv_cache']}, {_bytes(s.get('kv_capacity_bytes'))} in {_fmt(s.get('kv_blocks'))} "
-                      f"{'rows' if s['kv_cache'] == 'reserved' else 'blocks'}"),
+            ("cache", f"{s['kv_layout']}, {_bytes(s.get('kv_capacity_bytes'))} in {_fmt(s.get('kv_blocks'))} "
+                      f"{'rows' if s['kv_layout'] == 'reserved' else 'blocks'}"),
             ("utilization (mean)", _fmt(s.get("kv_utilization"))),
             ("prefix-cache hits", f"{_fmt(s.get('prefix_cache_hit_tokens'))} tokens")]),
         ("speculative decoding", [

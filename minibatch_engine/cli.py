@@ -10,7 +10,7 @@ import os
 import sys
 
 from .attention import BACKENDS
-from .kv.config import KV_CACHES
+from .kv.config import KV_LAYOUTS
 from .scheduler.config import SCHEDULER_NAMES
 from .scheduler.policy import POLICIES
 from .scheduler.preemption import PREEMPTION_MODES
@@ -93,7 +93,7 @@ def _bench_args(p: argparse.ArgumentParser, simulate: bool, sweep: bool = False)
                    help="time every step with the roofline model of this GPU")
     p.add_argument("--sim-model", choices=sorted(PRESETS), default="llama-3-8b" if simulate else None,
                    help="model shape the roofline model prices")
-    p.add_argument("--kv", choices=KV_CACHES, default=None,
+    p.add_argument("--kv", choices=KV_LAYOUTS, default=None,
                    help="KV cache layout (default: paged; reserved with --scheduler static)")
     p.add_argument("--kv-budget", type=int, default=None, metavar="BYTES",
                    help="KV cache memory in bytes (default: max-batch x max-model-len tokens, capped by memory)")
@@ -233,7 +233,7 @@ def _generate(args) -> int:
 
 def _engine_options(args) -> dict:
     """The EngineConfig fields the bench-like commands share."""
-    return dict(kv_cache=args.kv or "auto", kv_budget_bytes=args.kv_budget, block_size=args.block_size,
+    return dict(kv_layout=args.kv or "auto", kv_budget_bytes=args.kv_budget, block_size=args.block_size,
                 enable_prefix_caching=not args.no_prefix_caching,
                 max_num_batched_tokens="auto" if args.max_num_batched_tokens is None else args.max_num_batched_tokens,
                 enable_chunked_prefill=not args.no_chunked_prefill,

@@ -39,7 +39,7 @@ class EngineConfig:
     max_num_seqs: most sequences in one step (static: the batch size B).
     max_model_len: longest prompt + output a request may have. Defaults to
         ``min(model max_position, 1024)``.
-    kv_cache: ``"paged"`` (blocks of ``block_size`` tokens taken as a sequence
+    kv_layout: ``"paged"`` (blocks of ``block_size`` tokens taken as a sequence
         grows, chapter 4) or ``"reserved"`` (``max_model_len`` reserved per
         request, chapters 2 and 3). ``"auto"`` (default): paged, or reserved for
         static batching (which runs on nothing else).
@@ -47,7 +47,11 @@ class EngineConfig:
         ``max_num_seqs x max_model_len`` tokens, capped by memory: on the
         simulated GPU ``gpu_memory_utilization`` of its memory minus the weights,
         on CUDA that share of the free memory, on the CPU 512 MiB. A reserved
-        cache fits ``budget // (max_model_len x bytes per token)`` rows.
+        cache fits ``budget // (max_model_len x bytes per token)`` rows. With
+        a draft model (speculative decoding) the budget covers the draft's
+        cache too: it holds as many tokens as the target's, plus room per
+        sequence for its guesses (``num_kv_blocks`` fixes the target's blocks;
+        the draft's then come on top).
     enable_prefix_caching: paged cache only: share the full blocks of a common
         prompt prefix. watermark: share of blocks admission keeps free.
     max_num_batched_tokens: the per-step token budget. ``"auto"`` (default):
@@ -86,7 +90,7 @@ class EngineConfig:
     scheduler: str = "continuous"
     max_num_seqs: int = 256
     max_model_len: int | None = None
-    kv_cache: str = "auto"
+    kv_layout: str = "auto"
     block_size: int = 16
     kv_budget_bytes: int | None = None
     num_kv_blocks: int | None = None
@@ -111,12 +115,12 @@ class EngineConfig:
 
     def __post_init__(self):
         self.scheduler_config, self.cache_config, self.runner_config, self.sim_config   # each validates itself
-        kv = self.kv_layout
+        kv = self._decided_kv_layout()
         if self.scheduler == "static" and kv != "reserved":
-            raise ValueError("static batching runs on the reserved cache: pass kv_cache='reserved' "
-                             "(or leave kv_cache='auto')")
+            raise ValueError("static batching runs on the reserved cache: pass kv_layout='reserved' "
+                             "(or leave kv_layout='auto')")
         if self.preemption_mode == "swap" and kv != "paged":
-            raise ValueError("swap preemption needs the paged KV cache (kv_cache='paged')")
+            raise ValueError("swap preemption needs the paged KV cache (kv_layout='paged')")
         if self.speculative is not None:
             if not isinstance(self.speculative, SpeculativeConfig):
                 raise ValueError(f"speculative must be a SpeculativeConfig or None, got {self.speculative!r} "
@@ -147,12 +151,11 @@ class EngineConfig:
         """The simulator's knobs (validated there)."""
         return self._part(SimConfig)
 
-    @property
-    def kv_layout(self) -> str:
-        """The KV cache ``kv_cache`` names, with ``"auto"`` decided."""
-        if self.kv_cache == "auto":
+    def _decided_kv_layout(self) -> str:
+        """``kv_layout`` with ``"auto"`` decided."""
+        if self.kv_layout == "auto":
             return "reserved" if self.scheduler == "static" else "paged"
-        return self.kv_cache
+        return self.kv_layout
 
     def with_overrides(self, **overrides) -> "EngineConfig":
         """A copy with some fields changed (validated again); unknown names are refused."""
@@ -179,4 +182,4 @@ class EngineConfig:
                 budget = max(DEFAULT_MAX_NUM_BATCHED_TOKENS, max_model_len)
         if self.scheduler == "continuous":
             check_token_budget(budget, self.enable_chunked_prefill, self.max_num_seqs, max_model_len)
-        return replace(self, max_model_len=max_model_len, max_num_batched_tokens=budget, kv_cache=self.kv_layout)
+        return replace(self, max_model_len=max_model_len, max_num_batched_tokens=budget, kv_layout=self._decided_kv_layout())

@@ -1,20 +1,21 @@
 """The engine: one loop, swappable parts.
 
-    add_request -> (Proposer: guessed tokens, chapter 9) -> Scheduler.schedule() -> SchedulerOutput
+    add_request -> Scheduler.schedule() -> SchedulerOutput
                                  |   (the KV cache manager, the scheduler's bookkeeping,
                                  |    decides blocks and block copies; plain data out)
                                  v
-               Runner.execute()   (the KV pool and the real model, or SimRunner)
-                                 |
+               Runner.execute()   (the KV pool and the real model, or SimRunner;
+                                 |   after sampling, the proposer's guesses, chapter 9)
+                                 v
               Scheduler.update_from_output() -> finished requests
                                  |
                     Engine: outputs, metrics, trace
 
 Each part owns its state: the scheduler owns requests and their progress, and
 (through its KV cache manager) the accounting of blocks; the runner owns
-tensors (the KV pool, every byte moved in it) and sampling state. The engine
-only releases arrivals on its clock, moves the step's outputs between the
-parts, and records the trace.
+tensors (the KV pool, every byte moved in it), sampling state and speculative
+decoding's proposer. The engine only releases arrivals on its clock, moves the
+step's outputs between the parts, and records the trace.
 """
 from __future__ import annotations
 
@@ -71,14 +72,16 @@ class Engine:
                            if cfg.sim_gpu else None)
         device = model.device if model is not None else torch.device("meta")
         dtype = model.dtype if model is not None else torch.bfloat16
-        self.kv_cache = self._make_kv_cache(dtype, device)
-        self.scheduler: Scheduler = self._make_scheduler()
         spec = cfg.speculative
-        self.runner = (self._make_model_runner(model)
+        draft = self._load_draft_model(model) if spec and spec.method == "draft_model" else None
+        self.draft_cost_model = self._make_draft_cost_model(draft)
+        self.kv_cache = self._make_kv_cache(dtype, device, draft)
+        self.scheduler: Scheduler = self._make_scheduler()
+        proposer = self._make_proposer(draft) if spec else None
+        self.runner = (self._make_model_runner(model, proposer)
                        if model is not None else
                        SimRunner(acceptance_rate=spec.sim_acceptance_rate if spec else 0.0,
-                                 seed=spec.seed if spec else 0))
-        self.proposer, self.draft_cost_model = self._make_proposer(model) if spec else (None, None)
+                                 seed=spec.seed if spec else 0, proposer=proposer))
         self.trace = Trace()
         self.pending: list[tuple[float, int, Request]] = []   # future arrivals (heap)
         self.sim_now = 0.0
@@ -88,14 +91,15 @@ class Engine:
         self._known_ids: set[str] = set()
 
     # --- construction -------------------------------------------------------------
-    def _kv_budget(self, per_token: int, device: torch.device) -> int:
+    def _kv_budget(self, per_token: int, extra_bytes: int, device: torch.device) -> int:
         """Bytes of KV memory when the config names none: enough for every
-        sequence at full length, capped by the memory there is."""
+        sequence at full length (and ``extra_bytes``), capped by the memory there is."""
         cfg = self.config
-        want = cfg.max_num_seqs * cfg.max_model_len * per_token
+        want = cfg.max_num_seqs * cfg.max_model_len * per_token + extra_bytes
         if self.cost_model is not None and self.model is None:
             gpu = self.cost_model.gpu
-            cap = int(cfg.gpu_memory_utilization * gpu.memory_bytes - self.cost_model.weight_bytes)
+            draft_weights = self.draft_cost_model.weight_bytes if self.draft_cost_model else 0
+            cap = int(cfg.gpu_memory_utilization * gpu.memory_bytes - self.cost_model.weight_bytes - draft_weights)
         elif device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             cap = int(cfg.gpu_memory_utilization * free)
@@ -103,28 +107,49 @@ class Engine:
             cap = DEFAULT_CPU_KV_BYTES
         return min(want, max(cap, 0))
 
-    def _make_kv_cache(self, dtype, device):
+    def _draft_block_size(self) -> int:
+        cfg = self.config
+        return cfg.block_size if cfg.kv_layout == "paged" else 16
+
+    def _make_kv_cache(self, dtype, device, draft):
+        """The target's KV cache manager. With a draft model the budget
+        (``kv_budget_bytes``, or the memory there is) covers both caches: the
+        draft holds as many tokens as the target, plus room per sequence for its
+        k - 1 guesses and a partly filled block, and the target gets the rest."""
         cfg, mc = self.config, self.model_config
-        per_token = mc.kv_bytes_per_token(torch.empty(0, dtype=dtype).element_size())
+        elem = torch.empty(0, dtype=dtype).element_size()
+        per_token = mc.kv_bytes_per_token(elem)
+        self.draft_tokens_per_seq = 0
+        draft_per_token = 0
+        if cfg.speculative is not None and cfg.speculative.method == "draft_model":
+            draft_cfg = draft.config if draft is not None else self.draft_cost_model.model if \
+                self.draft_cost_model else get_preset(cfg.speculative.sim_draft_model or "llama-3.2-1b")
+            draft_per_token = draft_cfg.kv_bytes_per_token(elem)
+            self.draft_tokens_per_seq = cfg.speculative.num_speculative_tokens + self._draft_block_size()
+        extra = cfg.max_num_seqs * self.draft_tokens_per_seq * draft_per_token
         explicit = cfg.kv_budget_bytes is not None
-        budget = cfg.kv_budget_bytes if explicit else self._kv_budget(per_token, device)
-        if cfg.kv_cache == "reserved":
+        budget = cfg.kv_budget_bytes if explicit else self._kv_budget(per_token + draft_per_token, extra, device)
+        # the target's share: its tokens and as many draft tokens, after the draft's extra room
+        total, budget = budget, max(0, budget - extra) * per_token // (per_token + draft_per_token)
+        share = (f" ({total} bytes less the draft model's share, {total - budget})" if draft_per_token else "")
+        if cfg.kv_layout == "reserved":
             rows = min(cfg.max_num_seqs, budget // (per_token * cfg.max_model_len))
             if rows < 1:
-                raise ValueError(f"a KV budget of {budget} bytes holds no row of {cfg.max_model_len} tokens "
-                                 f"({per_token * cfg.max_model_len} bytes); raise kv_budget_bytes or lower "
-                                 "max_model_len")
+                raise ValueError(f"a KV budget of {budget} bytes{share} holds no row of {cfg.max_model_len} "
+                                 f"tokens ({per_token * cfg.max_model_len} bytes); raise kv_budget_bytes or "
+                                 "lower max_model_len")
             return ReservedKVCache(mc, rows, cfg.max_model_len, dtype)
         blocks = cfg.num_kv_blocks if cfg.num_kv_blocks is not None else budget // (per_token * cfg.block_size)
         if blocks < 1:
-            raise ValueError(f"a KV budget of {budget} bytes holds no block of {cfg.block_size} tokens; "
+            raise ValueError(f"a KV budget of {budget} bytes{share} holds no block of {cfg.block_size} tokens; "
                              "raise kv_budget_bytes or lower block_size")
         return PagedKVCache(mc, blocks, cfg.block_size, dtype,
                             enable_prefix_caching=cfg.enable_prefix_caching, watermark=cfg.watermark)
 
-    def _make_model_runner(self, model) -> ModelRunner:
+    def _make_model_runner(self, model, proposer) -> ModelRunner:
         """The runner, with the tensors the scheduler's bookkeeping stands for: the
-        KV pool on the model's device and, for swap preemption, its host pool."""
+        KV pool on the model's device and, for swap preemption, its host pool;
+        and speculative decoding's proposer, which it runs after sampling."""
         cfg = self.config
         pool = KVPool.for_cache(self.kv_cache, model.config, model.dtype, model.device)
         swap = getattr(self.scheduler, "preemptor", None) and self.scheduler.preemptor.swap_space
@@ -132,27 +157,14 @@ class Engine:
                 if swap else None)
         return ModelRunner(model, pool, host_pool=host, attention_backend=cfg.attention_backend,
                            cuda_graphs=cfg.cuda_graphs, max_num_seqs=cfg.max_num_seqs,
-                           max_model_len=cfg.max_model_len)
+                           max_model_len=cfg.max_model_len, proposer=proposer)
 
-    def _make_proposer(self, model):
-        """Speculative decoding's proposer, and the roofline that prices a draft model
-        on the simulated GPU (the draft's own shape, or ``sim_draft_model``)."""
-        spec, cfg = self.config.speculative, self.config
+    def _load_draft_model(self, model):
+        """The draft model, on the target's device and dtype (None in the simulator)."""
         if model is None:
-            proposer = SimProposer(spec.num_speculative_tokens, draft_model=spec.method == "draft_model")
-        elif spec.method == "ngram":
-            proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
-        else:
-            proposer = self._make_draft_proposer(model)
-        if spec.method != "draft_model" or self.cost_model is None:
-            return proposer, None
-        draft_cfg = spec.sim_draft_model or ("llama-3.2-1b" if model is None else proposer.model.config)
-        draft_cfg = get_preset(draft_cfg) if isinstance(draft_cfg, str) else draft_cfg
-        return proposer, RooflineCostModel(get_gpu(cfg.sim_gpu), draft_cfg, step_overhead_s=0.0)
-
-    def _make_draft_proposer(self, model):
+            return None
         from .model.registry import resolve_model
-        spec, cfg = self.config.speculative, self.config
+        spec = self.config.speculative
         if spec.draft_model is None:
             raise ValueError("speculative method='draft_model' needs draft_model= (a Transformer, 'tiny' "
                              "or a checkpoint directory)")
@@ -160,10 +172,29 @@ class Engine:
         if draft.config.vocab_size != model.config.vocab_size:
             raise ValueError(f"the draft model's vocabulary ({draft.config.vocab_size} tokens) differs from "
                              f"the target's ({model.config.vocab_size}): a draft must share the tokenizer")
-        bs = cfg.block_size if cfg.kv_cache == "paged" else 16
-        tokens = self.kv_cache.num_blocks * self.kv_cache.block_size
-        num_blocks = -(-tokens // bs) + cfg.max_num_seqs * (-(-spec.num_speculative_tokens // bs) + 1)
-        return DraftModelProposer(draft, spec.num_speculative_tokens, num_blocks, bs, cfg.attention_backend)
+        return draft
+
+    def _make_draft_cost_model(self, draft):
+        """The roofline that prices a draft model on the simulated GPU (the draft's
+        own shape, or ``sim_draft_model``); None without a draft or a simulator."""
+        spec, cfg = self.config.speculative, self.config
+        if spec is None or spec.method != "draft_model" or self.cost_model is None:
+            return None
+        draft_cfg = spec.sim_draft_model or ("llama-3.2-1b" if draft is None else draft.config)
+        draft_cfg = get_preset(draft_cfg) if isinstance(draft_cfg, str) else draft_cfg
+        return RooflineCostModel(get_gpu(cfg.sim_gpu), draft_cfg, step_overhead_s=0.0)
+
+    def _make_proposer(self, draft):
+        """Speculative decoding's proposer, for the runner: the simulator's stand-in,
+        n-gram lookup, or the draft model with a KV cache of its share of the budget."""
+        spec, cfg = self.config.speculative, self.config
+        if self.model is None:
+            return SimProposer(spec.num_speculative_tokens, draft_model=spec.method == "draft_model")
+        if spec.method == "ngram":
+            return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        bs = self._draft_block_size()
+        tokens = self.kv_cache.num_blocks * self.kv_cache.block_size + cfg.max_num_seqs * self.draft_tokens_per_seq
+        return DraftModelProposer(draft, spec.num_speculative_tokens, -(-tokens // bs), bs, cfg.attention_backend)
 
     def _make_scheduler(self) -> Scheduler:
         cfg = self.config
@@ -229,9 +260,9 @@ class Engine:
                     f"can never fit the KV cache, which holds {limit} tokens in all")
             raise ValueError(f"request {rid}: prompt ({len(ids)}) + max_tokens ({params.max_tokens}) = "
                              f"{req.max_total_tokens} tokens {what}")
-        if params.n > 1 and self.config.kv_cache != "paged":
+        if params.n > 1 and self.config.kv_layout != "paged":
             raise ValueError(f"request {rid}: parallel sampling (n > 1) forks sequences and needs "
-                             "kv_cache='paged'")
+                             "kv_layout='paged'")
         if params.n > self.config.max_num_seqs:
             raise ValueError(f"request {rid}: n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
         if arrival_time is not None and arrival_time > self.now():
@@ -268,9 +299,7 @@ class Engine:
                 heapq.heapify(self.pending)
                 self._arrive(req)
                 break
-        ended = self.scheduler.finish_requests([request_id], FinishReason.ABORT)
-        self._forget_stopped()
-        return ended
+        return self.scheduler.finish_requests([request_id], FinishReason.ABORT)
 
     def samples_of(self, request_id: str) -> list[Request]:
         """A request and, for n > 1, its forked samples, in order."""
@@ -284,36 +313,16 @@ class Engine:
         """Run one step; returns the requests that finished in it."""
         self._release_arrivals()
         started = self.wall_now(), self.sim_now
-        draft = self._propose()
         sched = self.scheduler.schedule(now=self.now())
         if sched.is_empty:
-            if sched.block_copies:              # e.g. a lone request swapped itself out
-                self.runner.execute(sched)
+            if sched.block_copies or sched.finished_request_ids:
+                self.runner.execute(sched)      # e.g. a lone request swapped itself out; state to drop
             self._wait_for_arrival()
             return []
         result = self.runner.execute(sched)
         finished = self.scheduler.update_from_output(sched, result)
-        self._forget_stopped()
-        self._record(sched, result, started, draft)
+        self._record(sched, result, started)
         return finished
-
-    def _forget_stopped(self) -> None:
-        """The proposer drops the state (a draft's KV) of requests no longer running."""
-        if self.proposer is not None:
-            self.proposer.free_except({r.request_id for r in self.scheduler.running_requests()})
-
-    def _propose(self) -> tuple[float, float]:
-        """Speculative decoding: proposals for the running requests that decode,
-        handed to the scheduler. Returns the draft's (wall, simulated) seconds."""
-        if self.proposer is None:
-            return 0.0, 0.0
-        t0 = time.perf_counter()
-        running = self.scheduler.running_requests()
-        self._forget_stopped()
-        proposals = self.proposer.propose([r for r in running if r.is_decoding])
-        self.scheduler.set_proposals(proposals)
-        sim = self.draft_cost_model.draft_time(self.proposer.last_draft_shapes) if self.draft_cost_model else 0.0
-        return time.perf_counter() - t0, sim
 
     def _wait_for_arrival(self) -> None:
         """Nothing to run: move the clock to the next arrival."""
@@ -325,8 +334,7 @@ class Engine:
         else:
             time.sleep(max(0.0, nxt - self.wall_now()))
 
-    def _record(self, sched: SchedulerOutput, result: RunnerOutput, started: tuple[float, float],
-                draft: tuple[float, float] = (0.0, 0.0)) -> None:
+    def _record(self, sched: SchedulerOutput, result: RunnerOutput, started: tuple[float, float]) -> None:
         """Append the step to the trace (and advance the simulated clock)."""
         first_block = self.kv_cache.first_block
         lanes, useful, prefill, verified = [], 0, 0, []     # one pass: this runs every step
@@ -342,10 +350,11 @@ class Engine:
                 lanes.append(LaneRecord(rid, first_block(rid), "decode", n, s.start))
         lanes += [LaneRecord(p.owner_id, first_block(p.owner_id), "pad", p.num_tokens,
                              p.start) for p in sched.padding]
-        sim_start = sim_end = None
+        sim_start = sim_end = draft_sim_s = None
         if self.cost_model is not None:
             sim_start = started[1]
-            self.sim_now = sim_end = sim_start + draft[1] + self.cost_model.step_time(
+            draft_sim_s = self.draft_cost_model.draft_time(result.draft_shapes) if self.draft_cost_model else 0.0
+            self.sim_now = sim_end = sim_start + draft_sim_s + self.cost_model.step_time(
                 sched.sequence_shapes(), swap_bytes=sched.swap_bytes, logits_rows=sched.num_logits_rows)
         self.trace.append(StepRecord(
             step=sched.step, lanes=lanes, batch_id=sched.batch_id,
@@ -361,7 +370,7 @@ class Engine:
             spec_proposed=sum(s.num_spec_tokens for s in verified), num_verifications=len(verified),
             spec_accepted=sum(len(result.sampled_token_ids[s.request_id]) - 1 for s in verified
                               if s.request_id in result.sampled_token_ids),   # (not one that failed)
-            draft_s=draft[0], draft_sim_s=draft[1] if sim_start is not None else None))
+            draft_s=result.draft_s, draft_sim_s=draft_sim_s if sim_start is not None else None))
 
     def run(self, progress=None) -> list[Request]:
         """Step until every request has finished; returns them in completion order.

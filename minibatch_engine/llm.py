@@ -34,7 +34,7 @@ class LLM:
     ``tokenizer`` defaults to the one that came with the model (the byte
     tokenizer for ``"tiny"``, ``tokenizer.json`` for a checkpoint); a model
     without one takes token-id prompts only, and its outputs' ``text`` is None.
-    Engine options (``scheduler``, ``max_num_seqs``, ``kv_cache``, ``sim_gpu``,
+    Engine options (``scheduler``, ``max_num_seqs``, ``kv_layout``, ``sim_gpu``,
     ...) are keyword arguments, checked here; see :class:`EngineConfig`.
     """
 

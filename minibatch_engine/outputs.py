@@ -33,7 +33,12 @@ class ScheduledRequest:
     computes the request's last known token, so a token is sampled; ``forks``
     are the samples of an ``n > 1`` request forked from the same logits.
     ``block_table``: the request's KV blocks after this step's allocation (the
-    K/V of the new tokens go there). Built by the scheduler
+    K/V of the new tokens go there). ``prefix_token_ids``: on the step that
+    admits the request from the waiting queue, its tokens before ``start``
+    (those found in the prefix cache; empty without a hit), so a runner that
+    keeps its own copy of each request's tokens (for speculative decoding's
+    proposer) starts it whole; None on the steps after (vLLM V1's
+    ``NewRequestData`` and ``CachedRequestData``). Built by the scheduler
     (:meth:`of`), read-only afterwards.
     """
     request_id: str
@@ -46,17 +51,20 @@ class ScheduledRequest:
     spec_token_ids: list[int] = field(default_factory=list)
     forks: list[Fork] = field(default_factory=list)
     block_table: list[int] = field(default_factory=list)
+    prefix_token_ids: list[int] | None = None
 
     @classmethod
-    def of(cls, request, num_tokens: int) -> "ScheduledRequest":
+    def of(cls, request, num_tokens: int, admitted: bool = False) -> "ScheduledRequest":
         """A snapshot of ``request`` computing ``num_tokens`` tokens from its
-        ``num_computed_tokens`` on (the scheduler adds forks and block table)."""
+        ``num_computed_tokens`` on (the scheduler adds forks and block table);
+        ``admitted``: this step admits it, so its earlier tokens go along."""
         start, known = request.num_computed_tokens, request.num_tokens
         end = start + num_tokens
         spec = request.spec_token_ids[:max(0, end - known)] if request.spec_token_ids else []
-        return cls(request.request_id, num_tokens, start,
-                   request.all_token_ids[start:end - len(spec)] + spec,
-                   request.num_prompt_tokens, request.sampling_params, end >= known, spec)
+        tokens = request.all_token_ids
+        return cls(request.request_id, num_tokens, start, tokens[start:end - len(spec)] + spec,
+                   request.num_prompt_tokens, request.sampling_params, end >= known, spec,
+                   prefix_token_ids=tokens[:start] if admitted else None)
 
     @property
     def num_spec_tokens(self) -> int:
@@ -163,16 +171,25 @@ class SchedulerOutput:
 @dataclass
 class RunnerOutput:
     """The sampled tokens of every request (and forked sample) whose step computed
-    its last known token, keyed by request id (a list: one token per step today;
-    speculative decoding can accept several).
+    its last known token, keyed by request id (a list: one token, or with
+    speculative decoding the accepted proposals and one more).
 
     ``errors``: request id -> message, for a request whose sampling failed this
     step; it has no entry in ``sampled_token_ids``, and the scheduler ends it
-    with finish reason ``error`` while the rest of the batch goes on."""
+    with finish reason ``error`` while the rest of the batch goes on.
+
+    ``spec_token_ids``: speculative decoding's guesses for the next step, made
+    by the runner's proposer after sampling, for sequences that sampled (the
+    scheduler stores them on the requests that go on decoding);
+    ``draft_shapes``: (new tokens, context after) of each sequence in each of the
+    draft model's forwards, which the simulator prices."""
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
+    spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
     forward_s: float = 0.0      # wall seconds in the model forward
     sample_s: float = 0.0       # wall seconds in sampling (and the copy to host)
+    draft_s: float = 0.0        # wall seconds in the proposer
+    draft_shapes: list[list[tuple[int, int]]] = field(default_factory=list)
 
     @property
     def num_sampled_tokens(self) -> int:

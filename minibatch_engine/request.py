@@ -111,9 +111,8 @@ class Request:
 
     @property
     def max_proposals(self) -> int:
-        """Proposed tokens worth verifying next step (chapter 9): k proposals yield
-        up to k + 1 tokens, which must not run past ``max_tokens``."""
-        return max(0, self.sampling_params.max_tokens - self.num_output_tokens - 1)
+        """Proposed tokens worth verifying next step (``SamplingParams.max_proposals``)."""
+        return self.sampling_params.max_proposals(self.num_output_tokens)
 
     @property
     def awaits_fork(self) -> bool:

@@ -72,6 +72,12 @@ class SamplingParams:
         # numpy integers are taken, as in prompts; stored as a tuple of ints
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
 
+    def max_proposals(self, num_output_tokens: int) -> int:
+        """Proposed tokens worth verifying after ``num_output_tokens`` outputs
+        (speculative decoding, chapter 9): k proposals yield up to k + 1 tokens,
+        which must not run past ``max_tokens``."""
+        return max(0, self.max_tokens - num_output_tokens - 1)
+
     @property
     def greedy(self) -> bool:
         """Temperatures below ``GREEDY_EPS`` are greedy (dividing logits by such a

@@ -18,7 +18,10 @@ def sim_engine(**options) -> Engine:
 
 def assert_all_memory_back(engine) -> None:
     """The leak check: every KV block (and row) back, the block manager's
-    invariants intact, the host swap space empty, the draft model's cache empty."""
+    invariants intact, the host swap space empty; and after one idle step
+    (the runner hears of the last step's finished requests at the next step,
+    as in vLLM V1), no state left in the runner: sampling generators, its copy
+    of the tokens, the proposer's state and the draft model's cache."""
     kv = engine.kv_cache
     assert kv.num_used_blocks == 0 and kv.reserved_bytes == 0
     if isinstance(kv, PagedKVCache):
@@ -27,7 +30,13 @@ def assert_all_memory_back(engine) -> None:
     swap = getattr(engine.scheduler, "preemptor", None) and engine.scheduler.preemptor.swap_space
     if swap:
         assert swap.num_free_blocks == swap.num_blocks and not swap.tables
-    draft = getattr(engine.proposer, "kv_cache", None)
+    assert not engine.has_unfinished()
+    engine.step()
+    runner = engine.runner
+    assert not getattr(runner, "generators", None) and not getattr(runner, "token_ids", None)
+    proposer = runner.proposer
+    assert not getattr(proposer, "fed", None)
+    draft = getattr(proposer, "kv_cache", None)
     if draft is not None:
         draft.manager.check_invariants()
         assert draft.manager.num_used_blocks == 0

@@ -6,14 +6,14 @@ from dataclasses import dataclass
 
 from ..checks import check_bool, check_choice, check_int, check_number
 
-KV_CACHES = ("paged", "reserved")         # and "auto": paged, or reserved for static batching
+KV_LAYOUTS = ("paged", "reserved")        # and "auto": paged, or reserved for static batching
 
 
 @dataclass(frozen=True)
 class CacheConfig:
     """How KV memory is laid out and how much there is (see
     :class:`~minibatch_engine.config.EngineConfig` for each field)."""
-    kv_cache: str = "auto"
+    kv_layout: str = "auto"
     block_size: int = 16
     kv_budget_bytes: int | None = None
     num_kv_blocks: int | None = None
@@ -23,7 +23,7 @@ class CacheConfig:
     swap_space_bytes: int = 0
 
     def __post_init__(self):
-        check_choice("kv_cache", self.kv_cache, KV_CACHES + ("auto",))
+        check_choice("kv_layout", self.kv_layout, KV_LAYOUTS + ("auto",))
         check_int("block_size", self.block_size, 1)
         check_int("kv_budget_bytes", self.kv_budget_bytes, 1, optional=True)
         check_int("num_kv_blocks", self.num_kv_blocks, 1, optional=True)

@@ -76,10 +76,10 @@ class ReservedKVCache(KVCacheManager):
 
     def fork(self, parent_id: str, child_id: str) -> None:
         raise ValueError("parallel sampling (n > 1) forks sequences and needs the paged KV cache "
-                         "(kv_cache='paged')")
+                         "(kv_layout='paged')")
 
     def _no_swap(self, *args, **kwargs):
-        raise ValueError("swap preemption needs the paged KV cache (kv_cache='paged')")
+        raise ValueError("swap preemption needs the paged KV cache (kv_layout='paged')")
 
     swap_out = can_swap_in = swap_in = _no_swap
 

@@ -17,6 +17,13 @@ finished, so a seeded request draws the same tokens whatever it is batched
 with. It never sees a request: the SchedulerOutput carries the token ids,
 positions, block tables and sampling parameters it needs.
 
+With speculative decoding (chapter 9) the runner also holds the proposer
+(and a draft model's KV): it keeps its own copy of each running request's
+tokens (started from the ``prefix_token_ids`` sent when the request is
+admitted, then the scheduled and sampled tokens), and after sampling asks the
+proposer for the next step's guesses, which go back in the ``RunnerOutput``
+(vLLM V1's shape: the drafter runs in the worker, after sampling).
+
 On CUDA with the ``"triton"`` backend, decode-only steps replay a CUDA graph
 (:mod:`.cuda_graphs`) instead of launching every kernel from Python; the
 switch is ``EngineConfig.cuda_graphs``. On a CPU the model's linear layers are
@@ -35,6 +42,7 @@ from ..attention.metadata import long_tensor
 from ..model.config import PAD_ID
 from ..sampling import sample, sampling_probs
 from ..outputs import RunnerOutput, SchedulerOutput
+from ..speculative.proposer import ProposalInput, Proposer
 from ..speculative.verify import rejection_sample, verify_greedy
 from ..kv.pool import carry_out
 from .base import Runner
@@ -44,8 +52,10 @@ from .prepack import prepack_linear_weights
 class ModelRunner(Runner):
     def __init__(self, model, kv_pool, host_pool=None, pad_token_id: int | None = None,
                  attention_backend: str = "auto", cuda_graphs: bool = False, max_num_seqs: int = 256,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, proposer: Proposer | None = None):
         self.model, self.kv_pool, self.host_pool = model, kv_pool, host_pool
+        self.proposer = proposer
+        self.token_ids: dict[str, list[int]] = {}    # request id -> its tokens (kept for the proposer only)
         self.device = model.device
         self.attention = get_attention_backend(attention_backend, self.device)
         self.pad_token_id = PAD_ID if pad_token_id is None else pad_token_id
@@ -118,11 +128,20 @@ class ModelRunner(Runner):
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         for rid in sched.finished_request_ids:
             self.generators.pop(rid, None)
+            if self.proposer is not None:
+                self.token_ids.pop(rid, None)
+                self.proposer.free(rid)
+        if self.proposer is not None:
+            for p in sched.preempted:               # its KV is gone: so is the draft's
+                self.proposer.free(p.request_id)
         out = RunnerOutput()
         if sched.block_copies:
             carry_out(sched.block_copies, self.kv_pool, self.host_pool)
         if sched.is_empty:
             return out
+        if self.proposer is not None:
+            for s in sched.scheduled:
+                self._track_tokens(s)
         t0 = time.perf_counter()
         if self.graphs is not None and self.graphs.can_run(sched):
             s_all = sched.scheduled
@@ -171,8 +190,47 @@ class ModelRunner(Runner):
                     out.errors.setdefault(rid, errors[i])
                 elif rid not in out.errors:
                     out.sampled_token_ids[rid] = [t]
-        out.forward_s, out.sample_s = t1 - t0, time.perf_counter() - t1
+        t2 = time.perf_counter()
+        out.forward_s, out.sample_s = t1 - t0, t2 - t1
+        if self.proposer is not None:
+            self._propose(sched, out)
+            out.draft_s = time.perf_counter() - t2
         return out
+
+    def _track_tokens(self, s) -> None:
+        """Keep the runner's copy of a request's tokens: all before ``start``,
+        then the known tokens this step computes (not the proposals)."""
+        known = s.token_ids[:s.num_tokens - s.num_spec_tokens] if s.spec_token_ids else s.token_ids
+        if s.prefix_token_ids is not None:
+            self.token_ids[s.request_id] = s.prefix_token_ids + known
+            return
+        tokens = self.token_ids[s.request_id]
+        del tokens[s.start:]
+        tokens += known
+
+    def _propose(self, sched: SchedulerOutput, out: RunnerOutput) -> None:
+        """After sampling: the proposer's guesses for every sequence that sampled
+        (a forked sample starts from its parent's tokens)."""
+        sampled, history, k = out.sampled_token_ids, self.token_ids, self.proposer.k
+        seqs = []
+
+        def add(rid, tokens, num_prompt, params):
+            cap = min(k, params.max_proposals(len(tokens) - num_prompt))
+            seqs.append(ProposalInput(rid, len(tokens), num_prompt, cap, tokens))
+
+        for s in sched.scheduled:
+            if not s.samples_token:
+                continue
+            parent = history[s.request_id]
+            for f in s.forks:
+                if f.request_id in sampled:
+                    history[f.request_id] = parent + sampled[f.request_id]
+                    add(f.request_id, history[f.request_id], s.num_prompt_tokens, f.sampling_params)
+            if s.request_id in sampled:
+                parent += sampled[s.request_id]
+                add(s.request_id, parent, s.num_prompt_tokens, s.sampling_params)
+        out.spec_token_ids = self.proposer.propose(seqs)
+        out.draft_shapes = self.proposer.last_draft_shapes
 
     def _verify(self, s, logits: torch.Tensor) -> list[int]:
         """Accepted proposals plus one token from the target (chapter 9)."""

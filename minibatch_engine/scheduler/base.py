@@ -72,11 +72,11 @@ class Scheduler(ABC):
         self.now = now
         out = self._schedule()
         out.block_copies = self.kv_cache.take_block_copies()    # for the runner, before its forward
+        out.finished_request_ids, self._finished_ids = self._finished_ids, []
         if out.is_empty:
             return out
         out.step = self.num_steps
         self.num_steps += 1
-        out.finished_request_ids, self._finished_ids = self._finished_ids, []
         block_table = self.kv_cache.block_table
         for s in out.scheduled:
             r = self.requests[s.request_id]
@@ -90,10 +90,13 @@ class Scheduler(ABC):
 
     def update_from_output(self, sched: SchedulerOutput, out: RunnerOutput) -> list[Request]:
         """Advance every scheduled request by what the step computed and sampled;
-        returns the requests (and forked samples) that finished in it."""
+        returns the requests (and forked samples) that finished in it. A sequence
+        that goes on decoding takes the runner's proposals for the next step
+        (speculative decoding), capped so that verifying them cannot run past
+        ``max_tokens``: k proposals yield at most k + 1 tokens."""
         finished: list[Request] = []
         mark_computed, sampled, step = self.kv_cache.mark_computed, out.sampled_token_ids, sched.step
-        errors = out.errors
+        errors, proposals = out.errors, out.spec_token_ids
         for s in sched.scheduled:
             r = self.requests.get(s.request_id)
             if r is None or r.is_finished:      # ended from outside since it was scheduled
@@ -120,6 +123,12 @@ class Scheduler(ABC):
                         finished.append(seq)
                         self._end(seq)
                         break
+                else:
+                    spec = proposals.get(seq.request_id) if proposals else None
+                    if spec:
+                        seq.spec_token_ids = [int(t) for t in spec[:seq.max_proposals]]
+                    elif seq.spec_token_ids:
+                        seq.spec_token_ids = []
         return finished
 
     def _fail(self, seqs: list[Request], errors: dict[str, str], step: int) -> list[Request]:
@@ -146,19 +155,6 @@ class Scheduler(ABC):
         self.kv_cache.truncate(r.request_id, r.num_computed_tokens)
         self.kv_cache.mark_computed(r.request_id, r.all_token_ids + sampled[:accepted],
                                     r.num_computed_tokens, s.start)
-
-    def set_proposals(self, proposals: dict[str, list[int]]) -> None:
-        """Speculative decoding: every running request's proposals for the next step
-        (a request missing from ``proposals`` gets none). Only a decoding request
-        takes proposals, capped so that verifying them cannot run past
-        ``max_tokens``: k proposals yield at most k + 1 tokens."""
-        for r in self.running_requests():
-            spec = proposals.get(r.request_id, []) if r.is_decoding else []
-            r.spec_token_ids = [int(t) for t in spec[:r.max_proposals]]
-
-    def running_requests(self) -> list[Request]:
-        """Requests that may run this step (speculation proposes only for these)."""
-        return []
 
     def finish_requests(self, request_ids: str | Iterable[str],
                         reason: FinishReason = FinishReason.ABORT) -> list[Request]:

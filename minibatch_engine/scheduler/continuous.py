@@ -109,9 +109,6 @@ class ContinuousScheduler(Scheduler):
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
-    def running_requests(self) -> list[Request]:
-        return list(self.running)
-
     def num_seqs(self) -> int:
         """Sequences running, counting the samples an n > 1 request will fork into."""
         return sum(r.num_seqs for r in self.running)
@@ -180,7 +177,7 @@ class ContinuousScheduler(Scheduler):
             n = self._grant(req, step.token_budget)
             if n and self.kv_cache.allocate(req.request_id, req.num_computed_tokens + n, req.num_computed_tokens):
                 step.grant(req, n, n > 1)
-                step.out.scheduled.append(ScheduledRequest.of(req, n))
+                step.out.scheduled.append(ScheduledRequest.of(req, n, admitted=True))
 
     def _waiting_outranks(self, swapped: Request) -> bool:
         """Under a policy that orders swapped-out requests too, a better waiting
@@ -213,7 +210,7 @@ class ContinuousScheduler(Scheduler):
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             step.grant(req, n, n < req.num_tokens - req.num_computed_tokens)
-            step.out.scheduled.append(ScheduledRequest.of(req, n))
+            step.out.scheduled.append(ScheduledRequest.of(req, n, admitted=True))
 
     def _preempt_for(self, req: Request, step: "_Step") -> bool:
         """Preempt the running request the policy names to make room for waiting

@@ -87,7 +87,7 @@ class StaticScheduler(Scheduler):
                     out.padding.append(PaddingWork(longest, 0, r.request_id, table(r.request_id)))
                     continue
                 r.status = RequestStatus.RUNNING
-                out.scheduled.append(ScheduledRequest.of(r, r.num_prompt_tokens))
+                out.scheduled.append(ScheduledRequest.of(r, r.num_prompt_tokens, admitted=True))
                 if r.num_prompt_tokens < longest:
                     out.padding.append(PaddingWork(longest - r.num_prompt_tokens, 0, r.request_id))
             return out

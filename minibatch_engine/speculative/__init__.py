@@ -2,8 +2,8 @@
 the target's next forward, keep the accepted prefix plus one target token."""
 from .draft import DraftModelProposer
 from .ngram import NgramProposer, ngram_propose
-from .proposer import Proposer, SimProposer
+from .proposer import ProposalInput, Proposer, SimProposer
 from .verify import rejection_sample, verify_greedy
 
-__all__ = ["Proposer", "NgramProposer", "DraftModelProposer", "SimProposer", "ngram_propose",
+__all__ = ["Proposer", "ProposalInput", "NgramProposer", "DraftModelProposer", "SimProposer", "ngram_propose",
            "verify_greedy", "rejection_sample"]

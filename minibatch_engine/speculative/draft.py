@@ -5,8 +5,11 @@ target verifies them all in one forward. Decoding is memory-bound, so the
 target's cost barely grows with k + 1 query tokens, while the draft's k steps
 are cheap because the draft is small.
 
-The draft keeps its own paged KV cache (the bookkeeping, and a pool of its
-own), keyed by request id like the target's. Each call runs, for all requests at once:
+The proposer lives in the runner, which calls it after sampling. The draft
+keeps its own paged KV cache (the bookkeeping, and a pool of its own), keyed
+by request id like the target's; the engine sizes it from the same KV memory
+budget as the target's (``Engine``: the budget covers both). Each call runs,
+for all requests at once:
 
 1. one ragged forward over the tokens the draft has not seen (the whole prompt
    the first time; afterwards the target's last token plus any accepted
@@ -19,8 +22,6 @@ verification only the accepted ones count as seen. Guesses are greedy, so as
 proposals they are point masses (see :mod:`.verify`).
 """
 from __future__ import annotations
-
-import time
 
 import torch
 
@@ -42,13 +43,12 @@ class DraftModelProposer(Proposer):
         self.attention = get_attention_backend(attention_backend, self.device)
         # request id -> (tokens fed before the last call's guesses, the guesses fed after them)
         self.fed: dict[str, tuple[int, list[int]]] = {}
-        self.last_draft_s = 0.0
 
-    def _seen(self, r) -> int:
-        """Tokens of ``r`` whose draft K/V is valid: those fed, then the fed
+    def _seen(self, s) -> int:
+        """Tokens of ``s`` whose draft K/V is valid: those fed, then the fed
         guesses the target accepted (they now equal the request's tokens)."""
-        n0, guesses = self.fed.get(r.request_id, (0, []))
-        tokens = r.all_token_ids
+        n0, guesses = self.fed.get(s.request_id, (0, []))
+        tokens = s.token_ids
         seen = n0
         for g in guesses:
             if seen >= len(tokens) or tokens[seen] != g:
@@ -65,25 +65,23 @@ class DraftModelProposer(Proposer):
         return torch.argmax(logits, dim=-1).tolist()
 
     @torch.no_grad()
-    def propose(self, requests):
-        t0 = time.perf_counter()
+    def propose(self, seqs):
         live, ids, pos, qlens, slens, ks = [], [], [], [], [], []
-        for r in requests:
-            k, n = self.num_proposals(r), r.num_tokens
-            if k == 0 or not self.kv_cache.allocate(r.request_id, n + k - 1):
+        for s in seqs:
+            k, n = s.num_proposals, len(s.token_ids)
+            if k == 0 or not self.kv_cache.allocate(s.request_id, n + k - 1):
                 continue
-            seen = self._seen(r)
-            live.append(r)
+            seen = self._seen(s)
+            live.append(s)
             ks.append(k)
-            ids += r.all_token_ids[seen:]
+            ids += s.token_ids[seen:]
             pos += range(seen, n)
             qlens.append(n - seen)
             slens.append(n)
         self.last_draft_shapes = []
         if not live:
-            self.last_draft_s = time.perf_counter() - t0
             return {}
-        rids = [r.request_id for r in live]
+        rids = [s.request_id for s in live]
         self.last_draft_shapes.append(list(zip(qlens, slens)))
         guesses = [[t] for t in self._forward(ids, pos, qlens, slens, rids)]
         for j in range(1, max(ks)):
@@ -94,13 +92,11 @@ class DraftModelProposer(Proposer):
                                 [rids[i] for i in idx])
             for i, t in zip(idx, nxt):
                 guesses[i].append(t)
-        for r, g in zip(live, guesses):
-            self.fed[r.request_id] = (r.num_tokens, g[:-1])
-        self.last_draft_s = time.perf_counter() - t0
+        for s, g in zip(live, guesses):
+            self.fed[s.request_id] = (len(s.token_ids), g[:-1])
         return dict(zip(rids, guesses))
 
-    def free_except(self, live_ids):
-        for rid in [rid for rid in self.fed if rid not in live_ids]:
-            del self.fed[rid]
-        for rid in [rid for rid in self.kv_cache.manager.block_tables if rid not in live_ids]:
-            self.kv_cache.free(rid)
+    def free(self, request_id):
+        self.fed.pop(request_id, None)
+        if request_id in self.kv_cache.manager.block_tables:
+            self.kv_cache.free(request_id)

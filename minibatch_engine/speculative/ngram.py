@@ -34,11 +34,10 @@ class NgramProposer(Proposer):
         super().__init__(num_speculative_tokens)
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, requests):
+    def propose(self, seqs):
         out = {}
-        for r in requests:
-            k = self.num_proposals(r)
-            guess = ngram_propose(r.all_token_ids, k, self.min_n, self.max_n) if k else []
+        for s in seqs:
+            guess = ngram_propose(s.token_ids, s.num_proposals, self.min_n, self.max_n) if s.num_proposals else []
             if guess:
-                out[r.request_id] = guess
+                out[s.request_id] = guess
         return out

@@ -1,22 +1,35 @@
 """Proposers: cheap guesses of a decoding request's next k tokens.
 
-Before each step the engine asks the proposer for guesses for every running
-request that is decoding; the scheduler stores them on the request
-(``spec_token_ids``) and schedules them as extra query tokens, and the target
+The runner runs the proposer at the end of each step, after sampling (vLLM
+V1's shape): for every sequence that has just sampled, it hands over the
+runner's own copy of its tokens (:class:`ProposalInput`), and returns the
+guesses in ``RunnerOutput.spec_token_ids``. The scheduler stores them on the
+request and schedules them next step as extra query tokens, and the target
 verifies them in the same forward as everything else (:mod:`.verify`).
 
-A proposer returns plain token ids and never changes a request. It may keep
-state per request id (a draft model's KV cache); :meth:`Proposer.free_except`
-drops the state of requests that stopped running (finished, aborted,
-preempted). It reports what its last call cost: wall seconds, and the shapes of
-the draft forwards it ran, which the simulator prices with the draft model's
-roofline.
+A proposer returns plain token ids and never sees a request. It may keep state
+per request id (a draft model's KV cache); :meth:`Proposer.free` drops it when
+the runner hears that a request finished or was preempted. It reports what its
+last call cost: the shapes of the draft forwards it ran, which the simulator
+prices with the draft model's roofline.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 
-from ..request import Request
+
+@dataclass(slots=True)
+class ProposalInput:
+    """A sequence that has just sampled, as the runner sees it: its tokens so far
+    (``token_ids``; the simulator keeps none and gives only ``num_tokens``), its
+    prompt length, and how many guesses are worth making (``num_proposals``: at
+    most k, never past ``max_tokens``, see ``SamplingParams.max_proposals``)."""
+    request_id: str
+    num_tokens: int
+    num_prompt_tokens: int
+    num_proposals: int
+    token_ids: list[int] = field(default_factory=list)
 
 
 class Proposer(ABC):
@@ -27,16 +40,12 @@ class Proposer(ABC):
         # per draft forward of the last call: (new tokens, context after) of each sequence
         self.last_draft_shapes: list[list[tuple[int, int]]] = []
 
-    def num_proposals(self, r: Request) -> int:
-        """Guesses worth making: at most k, and never past max_tokens (``Request.max_proposals``)."""
-        return min(self.k, r.max_proposals)
-
     @abstractmethod
-    def propose(self, requests: list[Request]) -> dict[str, list[int]]:
-        """Request id -> its proposed tokens (at most ``num_proposals(r)`` each)."""
+    def propose(self, seqs: list[ProposalInput]) -> dict[str, list[int]]:
+        """Request id -> its proposed tokens (at most ``num_proposals`` each)."""
 
-    def free_except(self, live_ids: set[str]) -> None:
-        """Forget every request not in ``live_ids`` (stateless proposers keep nothing)."""
+    def free(self, request_id: str) -> None:
+        """Forget a request that finished or lost its KV memory (stateless proposers keep nothing)."""
 
 
 class SimProposer(Proposer):
@@ -50,24 +59,23 @@ class SimProposer(Proposer):
         self.draft_model, self.token_id = draft_model, token_id
         self.fed: dict[str, int] = {}      # request id -> tokens the draft has K/V for
 
-    def propose(self, requests):
+    def propose(self, seqs):
         out, steps = {}, [[] for _ in range(self.k)]
-        for r in requests:
-            k = self.num_proposals(r)
+        for s in seqs:
+            k = s.num_proposals
             if k == 0:
                 continue
-            out[r.request_id] = [self.token_id] * k
+            out[s.request_id] = [self.token_id] * k
             if self.draft_model:
-                n = r.num_tokens
-                # valid draft K/V: what it was fed, up to what the target accepted
-                valid = min(self.fed.get(r.request_id, 0), r.num_computed_tokens, n - 1)
+                n = s.num_tokens
+                # valid draft K/V: what it was fed, up to the target's accepted tokens (all but the last)
+                valid = min(self.fed.get(s.request_id, 0), n - 1)
                 steps[0].append((n - valid, n))
                 for j in range(1, k):
                     steps[j].append((1, n + j))
-                self.fed[r.request_id] = n + k - 1
+                self.fed[s.request_id] = n + k - 1
         self.last_draft_shapes = [s for s in steps if s]
         return out
 
-    def free_except(self, live_ids):
-        for rid in [r for r in self.fed if r not in live_ids]:
-            del self.fed[rid]
+    def free(self, request_id):
+        self.fed.pop(request_id, None)

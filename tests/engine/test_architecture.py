@@ -188,4 +188,4 @@ def test_each_owner_validates_its_own_knobs_behind_the_flat_interface():
         with pytest.raises(ValueError, match=field):      # the same message through the flat interface
             EngineConfig(**kwargs)
     with pytest.raises(ValueError, match="reserved cache"):  # a rule across owners stays with EngineConfig
-        EngineConfig(scheduler="static", kv_cache="paged")
+        EngineConfig(scheduler="static", kv_layout="paged")

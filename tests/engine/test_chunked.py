@@ -19,7 +19,7 @@ from ..conftest import SIM, sim_engine
 def test_budget_never_exceeded_and_everyone_finishes(lengths, B, extra, partial, kv):
     budget = B + extra
     engine = sim_engine(max_num_seqs=B, max_model_len=512, max_num_batched_tokens=budget,
-                        max_num_partial_prefills=partial, kv_cache=kv)
+                        max_num_partial_prefills=partial, kv_layout=kv)
     reqs = [engine.add_request([1] * p, SamplingParams(max_tokens=g, ignore_eos=True)) for p, g in lengths]
     engine.run()
     assert all(r.num_output_tokens == g for r, (_, g) in zip(reqs, lengths))
@@ -41,7 +41,7 @@ def test_any_chunk_size_gives_the_same_tokens(tiny64, lengths, B, extra, kv):
 
     def run(**cfg):
         e = Engine(tiny64, EngineConfig(scheduler="continuous", max_num_seqs=B, max_model_len=64,
-                                        kv_cache=kv, block_size=4, **cfg))
+                                        kv_layout=kv, block_size=4, **cfg))
         rs = [e.add_request(p, SamplingParams(max_tokens=g, ignore_eos=True)) for p, g in zip(prompts, outs)]
         e.run()
         return [r.output_token_ids for r in rs], e

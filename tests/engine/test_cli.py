@@ -47,7 +47,7 @@ def test_bench_paged_continuous_keys(tmp_path):
     for k in ("kv_utilization", "peak_running", "prefix_cache_hit_tokens", "itl_steps_p99",
               "itl_ms_p50", "overhead_fraction", "batch_utilization"):
         assert k in data, k
-    assert data["kv_cache"] == "paged" and data["kv_capacity_bytes"] <= 2 ** 22
+    assert data["kv_layout"] == "paged" and data["kv_capacity_bytes"] <= 2 ** 22
     assert 0 < data["kv_utilization"] <= 1
 
 

@@ -73,7 +73,7 @@ def test_continuous_greedy_equals_lone_full_recompute(tiny64, lengths, B):
 
 
 def test_mixed_prefill_and_decode_in_one_step(tiny64):
-    engine = Engine(tiny64, scheduler="continuous", kv_cache="reserved", max_num_batched_tokens=None,
+    engine = Engine(tiny64, scheduler="continuous", kv_layout="reserved", max_num_batched_tokens=None,
                     max_num_seqs=2, max_model_len=64)
     a = engine.add_request([1, 2, 3], SamplingParams(max_tokens=2, ignore_eos=True))
     b = engine.add_request([4, 5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True))

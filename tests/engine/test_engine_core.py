@@ -26,11 +26,11 @@ from ..conftest import SIM, assert_all_memory_back
 def test_defaults_are_the_full_engine(tiny32):
     engine = Engine(tiny32)
     cfg = engine.config
-    assert (cfg.scheduler, cfg.kv_cache, cfg.enable_chunked_prefill, cfg.enable_prefix_caching) == \
+    assert (cfg.scheduler, cfg.kv_layout, cfg.enable_chunked_prefill, cfg.enable_prefix_caching) == \
         ("continuous", "paged", True, True)
     assert cfg.max_num_seqs == 256 and cfg.max_num_batched_tokens == 2048
     llm = LLM(tiny32)
-    assert llm.config.scheduler == "continuous" and llm.config.kv_layout == "paged"
+    assert llm.config.scheduler == "continuous" and llm.config.kv_layout == "auto"     # decided by the engine
     # the pool is bounded by memory (512 MiB on the CPU), not by 256 x max_model_len tokens
     assert engine.kv_cache.capacity_bytes <= 512 * 2**20
 
@@ -71,9 +71,9 @@ def test_overrides_are_applied_or_refused(tiny32):
 @pytest.mark.parametrize("options, field", [
     ({"scheduler": "fcfs"}, "scheduler"), ({"max_num_seqs": 2.5}, "max_num_seqs"),
     ({"block_size": 4.0}, "block_size"), ({"num_kv_blocks": 1.5}, "num_kv_blocks"),
-    ({"kv_cache": "slot"}, "kv_cache"), ({"max_num_batched_tokens": "many"}, "max_num_batched_tokens"),
+    ({"kv_layout": "slot"}, "kv_layout"), ({"max_num_batched_tokens": "many"}, "max_num_batched_tokens"),
     ({"enable_chunked_prefill": "yes"}, "enable_chunked_prefill"), ({"watermark": 1.0}, "watermark"),
-    ({"scheduler": "static", "kv_cache": "paged"}, "reserved"),
+    ({"scheduler": "static", "kv_layout": "paged"}, "reserved"),
     ({"max_num_seqs": 64, "max_num_batched_tokens": 16}, "max_num_batched_tokens"),
 ])
 def test_llm_refuses_bad_config_at_construction(tiny32, options, field):
@@ -300,20 +300,20 @@ class OracleProposer(Proposer):
         super().__init__(k)
         self.model, self.rng, self.refs = model, rng, {}
 
-    def propose(self, requests):
+    def propose(self, seqs):
         out = {}
-        for r in requests:
-            k = self.rng.randint(0, self.num_proposals(r))
+        for s in seqs:
+            k = self.rng.randint(0, s.num_proposals)
             if k == 0:
                 continue
-            key = tuple(r.prompt_token_ids)
+            key = tuple(s.token_ids[:s.num_prompt_tokens])
             if key not in self.refs:
                 self.refs[key] = reference_generate(self.model, list(key), 16)
-            done = r.num_output_tokens
+            done = s.num_tokens - s.num_prompt_tokens
             guess = (self.refs[key][done:done + k] + [0] * k)[:k]
             if self.rng.random() < 0.5:
                 guess[self.rng.randrange(k)] = self.rng.randrange(256)
-            out[r.request_id] = guess
+            out[s.request_id] = guess
         return out
 
 
@@ -338,7 +338,7 @@ def test_every_knob_together_matches_the_lone_recompute(tiny64, data, block_size
                     swap_space_bytes=data.draw(st.integers(0, 12)) * block_size * 4096 * 2, policy=policy,
                     speculative=SpeculativeConfig("ngram", k) if k else None)
     if k:
-        engine.proposer = OracleProposer(k, tiny64, random.Random(data.draw(st.integers(0, 2**16))))
+        engine.runner.proposer = OracleProposer(k, tiny64, random.Random(data.draw(st.integers(0, 2**16))))
     shared = [7, 7, 1, 2, 3, 4, 5, 6]           # a common prefix makes prefix hits likely
     specs = data.draw(st.lists(st.tuples(st.integers(0, 12), st.integers(1, 12), st.integers(1, 3),
                                          st.integers(0, 6), st.integers(0, 2)), min_size=1, max_size=6))
@@ -359,6 +359,10 @@ def test_every_knob_together_matches_the_lone_recompute(tiny64, data, block_size
             engine.abort(target.request_id)
         engine.step()
         assert engine.scheduler.num_seqs() <= B, "more sequences running than max_num_seqs"
+        if k:                   # the runner's own copy of each running request's tokens: the scheduler's,
+            for r in engine.scheduler.running:      # up to the last computed or sampled one
+                copy = engine.runner.token_ids[r.request_id]
+                assert copy == r.all_token_ids[:len(copy)] and len(copy) >= r.num_computed_tokens
         step += 1
         assert step < 3000, "no progress"
     for r in reqs:
@@ -380,7 +384,7 @@ def test_trained_models_load_by_name_with_their_tokenizer():
 def test_sdpa_reads_reserved_rows_in_pieces_and_stays_exact(tiny64, max_model_len):
     """A reserved row is one big block; the sdpa backend gathers it in smaller
     pieces (gcd with 64 slots) and must give the same tokens."""
-    engine = Engine(tiny64, scheduler="continuous", kv_cache="reserved", max_num_seqs=3,
+    engine = Engine(tiny64, scheduler="continuous", kv_layout="reserved", max_num_seqs=3,
                     max_model_len=max_model_len, attention_backend="sdpa")
     prompts = [[1, 2, 3, 4, 5], list(range(10, 40)), [7]]
     reqs = [engine.add_request(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in prompts]

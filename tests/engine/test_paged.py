@@ -83,11 +83,11 @@ def test_paged_equals_reserved_equals_recompute(tiny64, lengths, block_size, sha
     prompts = [prefix + torch.randint(0, 256, (p,)).tolist() for p, _ in lengths]
     outs = [g for _, g in lengths]
     _, reserved = run(tiny64, prompts, outs, max_num_seqs=3)
-    eng, paged = run(tiny64, prompts, outs, max_num_seqs=3, kv_cache="paged", block_size=block_size)
+    eng, paged = run(tiny64, prompts, outs, max_num_seqs=3, kv_layout="paged", block_size=block_size)
     # internal fragmentation: less than one block per running sequence
     for s in eng.trace.steps:
         assert 0 <= s.kv_fragmentation_bytes < max(1, s.num_scheduled + 1) * block_size * eng.kv_cache.bytes_per_token
-    _, no_cache = run(tiny64, prompts, outs, max_num_seqs=3, kv_cache="paged", block_size=block_size,
+    _, no_cache = run(tiny64, prompts, outs, max_num_seqs=3, kv_layout="paged", block_size=block_size,
                       enable_prefix_caching=False)
     assert reserved == paged == no_cache == [reference_generate(tiny64, p, g) for p, g in zip(prompts, outs)]
     assert eng.kv_cache.manager.num_used_blocks == 0
@@ -101,7 +101,7 @@ def test_prefix_sharing_skips_prefill_and_survives_collisions(tiny64):
     ref = [reference_generate(tiny64, p, 6) for p in prompts]
     for hash_fn in (None, lambda parent, tokens: 7):        # a hash that always collides
         engine = Engine(tiny64, EngineConfig(scheduler="continuous", max_num_seqs=1, max_model_len=96,
-                                             kv_cache="paged", block_size=8))
+                                             kv_layout="paged", block_size=8))
         if hash_fn is not None:
             engine.kv_cache.manager.hash_fn = hash_fn
         reqs = [engine.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True)) for p in prompts]
@@ -116,7 +116,7 @@ def test_prefix_sharing_skips_prefill_and_survives_collisions(tiny64):
 def test_parallel_sampling_forks_with_copy_on_write(tiny64):
     prompt = list(b"fork me, please")                      # 15 tokens: last block partly filled
     engine = Engine(tiny64, EngineConfig(scheduler="continuous", max_num_seqs=4, max_model_len=64,
-                                         kv_cache="paged", block_size=4))
+                                         kv_layout="paged", block_size=4))
     parent = engine.add_request(prompt, SamplingParams(max_tokens=8, temperature=0.8, seed=11, n=3,
                                                        ignore_eos=True))
     engine.step()                                          # prefill once, then fork
@@ -139,7 +139,7 @@ def test_parallel_sampling_forks_with_copy_on_write(tiny64):
 
 def test_greedy_parallel_samples_equal_reference(tiny64):
     from minibatch_engine import LLM
-    llm = LLM(tiny64, kv_cache="paged", scheduler="continuous", max_num_seqs=4, block_size=4)
+    llm = LLM(tiny64, kv_layout="paged", scheduler="continuous", max_num_seqs=4, block_size=4)
     out = llm.generate([list(b"abcdefg")], SamplingParams(max_tokens=9, n=3, ignore_eos=True), use_tqdm=False)[0]
     ref = reference_generate(tiny64, list(b"abcdefg"), 9)
     assert out.samples == [ref] * 3
@@ -152,22 +152,22 @@ def test_preemption_under_a_tiny_budget_loses_nothing(tiny64, lengths, blocks):
     torch.manual_seed(blocks)
     prompts = [torch.randint(0, 256, (p,)).tolist() for p, _ in lengths]
     outs = [g for _, g in lengths]
-    eng, got = run(tiny64, prompts, outs, max_num_seqs=4, kv_cache="paged", block_size=4, num_kv_blocks=blocks,
+    eng, got = run(tiny64, prompts, outs, max_num_seqs=4, kv_layout="paged", block_size=4, num_kv_blocks=blocks,
                    watermark=0.0)
     assert got == [reference_generate(tiny64, p, g) for p, g in zip(prompts, outs)]
     assert eng.kv_cache.manager.num_used_blocks == 0
 
 
 def test_request_larger_than_the_whole_cache_is_refused(tiny64):
-    engine = Engine(tiny64, EngineConfig(scheduler="continuous", max_model_len=256, kv_cache="paged",
+    engine = Engine(tiny64, EngineConfig(scheduler="continuous", max_model_len=256, kv_layout="paged",
                                          block_size=16, num_kv_blocks=4))
     with pytest.raises(ValueError, match="can never fit the KV cache"):
         engine.add_request([1] * 60, SamplingParams(max_tokens=10))
     engine.add_request([1] * 50, SamplingParams(max_tokens=14))      # exactly 64 tokens: fits
     with pytest.raises(ValueError, match="n > 1"):
-        Engine(tiny64, max_num_seqs=2, kv_cache="reserved").add_request([1], SamplingParams(n=2))
+        Engine(tiny64, max_num_seqs=2, kv_layout="reserved").add_request([1], SamplingParams(n=2))
     with pytest.raises(ValueError, match="static"):
-        EngineConfig(scheduler="static", kv_cache="paged")
+        EngineConfig(scheduler="static", kv_layout="paged")
 
 
 def test_budget_in_bytes_sets_rows_and_blocks():
@@ -175,9 +175,9 @@ def test_budget_in_bytes_sets_rows_and_blocks():
     per_token = cfg.kv_bytes_per_token(2)
     budget = 100 * 1024 * per_token                  # 100 rows of 1024 tokens
     reserved = Engine(None, EngineConfig(scheduler="continuous", max_num_seqs=256, max_model_len=1024,
-                                         kv_budget_bytes=budget, kv_cache="reserved", **SIM))
+                                         kv_budget_bytes=budget, kv_layout="reserved", **SIM))
     paged = Engine(None, EngineConfig(scheduler="continuous", max_num_seqs=256, max_model_len=1024,
-                                      kv_budget_bytes=budget, kv_cache="paged", **SIM))
+                                      kv_budget_bytes=budget, kv_layout="paged", **SIM))
     assert reserved.kv_cache.num_rows == 100
     assert paged.kv_cache.num_blocks == 100 * 1024 // 16
     assert reserved.kv_cache.capacity_bytes == paged.kv_cache.capacity_bytes == budget

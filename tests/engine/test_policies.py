@@ -18,7 +18,7 @@ from ..conftest import SIM, assert_all_memory_back
 
 
 def policy_engine(policy, **kw):
-    cfg = dict(kv_cache="paged", block_size=4, watermark=0.0, max_model_len=128, policy=policy)
+    cfg = dict(kv_layout="paged", block_size=4, watermark=0.0, max_model_len=128, policy=policy)
     cfg.update(kw)
     return Engine(None, EngineConfig(**cfg, **SIM))
 
@@ -39,7 +39,7 @@ def test_every_policy_keeps_exact_greedy_tokens_under_preemption(tiny64, policy,
     torch.manual_seed(3)
     lengths = [(9, 12), (5, 14), (12, 8), (7, 13), (4, 10)]
     prompts = [torch.randint(0, 256, (p,)).tolist() for p, _ in lengths]
-    engine = Engine(tiny64, EngineConfig(kv_cache="paged", block_size=4, num_kv_blocks=11, watermark=0.0,
+    engine = Engine(tiny64, EngineConfig(kv_layout="paged", block_size=4, num_kv_blocks=11, watermark=0.0,
                                          max_num_seqs=3, max_model_len=64, policy=policy, preemption_mode=mode,
                                          max_num_batched_tokens=16))
     if mode == "swap":
@@ -64,7 +64,7 @@ def test_priority_with_swap_keeps_exact_tokens_on_random_workloads(tiny64, reqs,
     is full, or zero): whatever the mix, every request's greedy tokens equal a lone
     full recompute, and no block leaks. (7-10 blocks of 4 for up to 6 requests of up
     to 26 tokens: most draws preempt, by swap and by recompute.)"""
-    cfg = EngineConfig(kv_cache="paged", block_size=4, num_kv_blocks=blocks, watermark=0.0, max_num_seqs=seqs,
+    cfg = EngineConfig(kv_layout="paged", block_size=4, num_kv_blocks=blocks, watermark=0.0, max_num_seqs=seqs,
                        max_model_len=32, policy="priority", priority_aging_s=aging, preemption_mode="swap",
                        max_num_batched_tokens=16)
     engine = Engine(tiny64, cfg)
@@ -79,7 +79,7 @@ def test_priority_with_swap_keeps_exact_tokens_on_random_workloads(tiny64, reqs,
 
 
 def test_llm_generate_takes_priority_and_client_id(tiny64):
-    llm = LLM(tiny64, policy="priority", max_num_seqs=1, kv_cache="paged", max_model_len=64)
+    llm = LLM(tiny64, policy="priority", max_num_seqs=1, kv_layout="paged", max_model_len=64)
     prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
     outs = llm.generate(prompts, params(4), use_tqdm=False, priority=[2, 1, 0], client_id=["x", "y", "z"])
     assert [o.token_ids for o in outs] == [reference_generate(tiny64, p, 4) for p in prompts]

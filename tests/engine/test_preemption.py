@@ -14,7 +14,7 @@ from ..conftest import SIM, assert_all_memory_back
 
 def config(mode, blocks, swap_blocks=8, block_size=4, watermark=0.0, **kw):
     per_block = 0 if mode == "recompute" else swap_blocks
-    return dict(scheduler="continuous", kv_cache="paged", block_size=block_size, num_kv_blocks=blocks,
+    return dict(scheduler="continuous", kv_layout="paged", block_size=block_size, num_kv_blocks=blocks,
                 watermark=watermark, preemption_mode=mode, **kw), per_block
 
 
@@ -123,11 +123,11 @@ def test_swap_time_is_charged_on_the_sim_clock():
 
 def test_bad_preemption_settings():
     with pytest.raises(ValueError, match="paged"):
-        EngineConfig(scheduler="continuous", kv_cache="reserved", preemption_mode="swap")
+        EngineConfig(scheduler="continuous", kv_layout="reserved", preemption_mode="swap")
     with pytest.raises(ValueError, match="preemption_mode"):
-        EngineConfig(scheduler="continuous", kv_cache="paged", preemption_mode="drop")
+        EngineConfig(scheduler="continuous", kv_layout="paged", preemption_mode="drop")
     with pytest.raises(ValueError, match="victim"):
-        Engine(None, EngineConfig(scheduler="continuous", kv_cache="paged", preemption_victim="random", **SIM))
+        Engine(None, EngineConfig(scheduler="continuous", kv_layout="paged", preemption_victim="random", **SIM))
 
 
 @pytest.mark.cuda

@@ -310,28 +310,43 @@ def assert_plain(value, where="SchedulerOutput"):
     dict(scheduler="static"),
     dict(max_num_batched_tokens=8, preemption_mode="swap", swap_space_bytes=2**20, num_kv_blocks=12,
          watermark=0.0, speculative=SpeculativeConfig("ngram", 2)),
+    dict(enable_prefix_caching=True, speculative=SpeculativeConfig("draft_model", 3, draft_model="tiny")),
 ])
 def test_scheduler_outputs_are_plain_data_and_survive_pickle(tiny64, options):
+    """Both ways across the boundary: the runner computes from a pickled copy of
+    the SchedulerOutput, and the scheduler applies a pickled copy of the
+    RunnerOutput (sampled tokens, the proposer's guesses for the next step)."""
     import pickle
     engine = Engine(tiny64, max_num_seqs=4, max_model_len=48, block_size=4, **options)
-    seen, execute = [], engine.runner.execute
+    seen, answers, execute = [], [], engine.runner.execute
 
     def checked(sched):
         assert_plain(sched)
         copy = pickle.loads(pickle.dumps(sched))
         assert copy == sched
         seen.append(sched)
-        return execute(copy)               # the runner computes from the copy: nothing shared
+        result = execute(copy)             # the runner computes from the copy: nothing shared
+        assert_plain(result, "RunnerOutput")
+        back = pickle.loads(pickle.dumps(result))
+        assert back == result
+        answers.append(back)
+        return back
     engine.runner.execute = checked
     n = 2 if options.get("scheduler") != "static" else 1
-    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11], [7, 7, 7, 7]]
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11], [7, 7, 7, 7], [4, 5, 6, 7, 8, 9, 10, 11, 12]]
     reqs = [engine.add_request(p, SamplingParams(max_tokens=14, n=n, ignore_eos=True)) for p in prompts]
     engine.run()
     assert seen and any(s.scheduled and s.scheduled[0].block_table for s in seen)
-    if n > 1:                              # forks, proposals and preemptions all crossed the boundary
+    if n > 1:                              # forks and proposals crossed the boundary, both ways
         assert any(x.forks for s in seen for x in s.scheduled)
-        assert any(x.spec_token_ids for s in seen for x in s.scheduled) and any(s.preempted for s in seen)
-    else:
+        assert any(x.spec_token_ids for s in seen for x in s.scheduled)
+        assert any(a.spec_token_ids for a in answers)
+    if "preemption_mode" in options:
+        assert any(s.preempted for s in seen)
+    if options.get("enable_prefix_caching"):   # a prefix hit sends the tokens before it once
+        assert any(x.prefix_token_ids for s in seen for x in s.scheduled)
+        assert any(a.draft_shapes for a in answers)
+    if n == 1:
         assert any(s.padding for s in seen)
     for r, p in zip(reqs, prompts):
         for sample in engine.samples_of(r.request_id):

@@ -164,7 +164,7 @@ def test_cancel_while_waiting_in_prefill_chunks_and_decoding_frees_every_block(t
     ref = offline(tiny64, max_num_seqs=3, max_num_batched_tokens=8)
 
     async def main():
-        llm = AsyncLLM(tiny64, max_num_seqs=3, max_num_batched_tokens=8, kv_cache="paged",
+        llm = AsyncLLM(tiny64, max_num_seqs=3, max_num_batched_tokens=8, kv_layout="paged",
                        enable_prefix_caching=False, step_in_thread=True)
         eng = llm.engine
         keep = [asyncio.create_task(consume(llm, p, sp, f"keep{i}")) for i, (p, sp) in enumerate(zip(PROMPTS[:2],

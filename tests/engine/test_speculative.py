@@ -76,7 +76,7 @@ CONFIGS = {
     "recompute": dict(block_size=4, num_kv_blocks=14, watermark=0.0, max_num_batched_tokens=16, max_num_seqs=4),
     "swap": dict(block_size=4, num_kv_blocks=14, watermark=0.0, preemption_mode="swap",
                  swap_space_bytes=64 * 4 * 2 * 4 * 2 * 64 * 8),
-    "reserved": dict(kv_cache="reserved", max_model_len=64, enable_prefix_caching=False),
+    "reserved": dict(kv_layout="reserved", max_model_len=64, enable_prefix_caching=False),
 }
 
 
@@ -87,7 +87,7 @@ def test_greedy_equals_lone_full_recompute(tiny64, other_draft, refs, method, co
         spec = SpeculativeConfig("ngram", 3)
     else:
         spec = SpeculativeConfig("draft_model", 3, draft_model=tiny64 if method == "draft_same" else other_draft)
-    check = assert_blocks_match_computed if CONFIGS[config].get("kv_cache") != "reserved" else None
+    check = assert_blocks_match_computed if CONFIGS[config].get("kv_layout") != "reserved" else None
     engine, reqs = run(tiny64, spec, check=check, **CONFIGS[config])
     assert [r.output_token_ids for r in reqs] == refs
     assert engine.trace.acceptance_rate() == pytest.approx(
@@ -98,7 +98,7 @@ def test_greedy_equals_lone_full_recompute(tiny64, other_draft, refs, method, co
         assert sum(r.num_preemptions for r in reqs) > 0, "the configuration should preempt"
     if config == "swap":
         assert sum(r.num_swaps for r in reqs) > 0, "the configuration should swap"
-    if CONFIGS[config].get("kv_cache") != "reserved":
+    if CONFIGS[config].get("kv_layout") != "reserved":
         assert_prefix_cache_holds_only_real_tokens(engine, reqs)
         assert_all_memory_back(engine)
 
@@ -139,7 +139,7 @@ def test_abort_frees_the_draft_cache(tiny64):
     keep = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=8, ignore_eos=True), request_id="b")
     for _ in range(3):
         engine.step()
-    assert engine.proposer.kv_cache.first_block("a") >= 0
+    assert engine.runner.proposer.kv_cache.first_block("a") >= 0
     engine.abort("a")
     engine.run()
     assert keep.status == RequestStatus.FINISHED
@@ -269,3 +269,51 @@ def test_llm_front_door_takes_a_speculative_config(tiny64, refs):
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
     assert [o.token_ids for o in outs] == refs
     assert llm.engine.trace.acceptance_rate() == 1.0
+
+
+# --- the proposer in the runner, the draft's KV in the budget (issue 25) -----------------------
+def test_the_runner_proposes_after_sampling(tiny64, refs):
+    """The step that samples a request's first token already answers with its
+    guesses for the next step (the proposer runs in the runner, after sampling),
+    and the next step verifies them. The engine holds no proposer."""
+    engine = Engine(tiny64, small(speculative=SpeculativeConfig("draft_model", 3, draft_model=tiny64)))
+    answers, execute = [], engine.runner.execute
+    engine.runner.execute = lambda sched: answers.append(execute(sched)) or answers[-1]
+    req = engine.add_request(PROMPTS[0], SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True))
+    engine.step()                                    # the prefill: one token sampled, three guessed
+    assert answers[0].sampled_token_ids[req.request_id] == refs[0][:1]
+    assert answers[0].spec_token_ids[req.request_id] == refs[0][1:4]   # the target drafting for itself
+    assert req.spec_token_ids == refs[0][1:4] and not hasattr(engine, "proposer")
+    engine.step()                                    # verifies all three, plus one
+    assert req.output_token_ids == refs[0][:5]
+    engine.run()
+    assert req.output_token_ids == refs[0]
+    assert_all_memory_back(engine)
+
+
+@pytest.mark.parametrize("kv_layout", ["paged", "reserved"])
+def test_the_draft_models_kv_is_inside_the_memory_budget(tiny64, kv_layout):
+    """kv_budget_bytes covers the target's cache and the draft's together: the
+    target gets less than it would alone, and the two pools' bytes add up to no
+    more than the budget."""
+    budget = 4_000_000
+    alone = Engine(tiny64, small(kv_budget_bytes=budget, kv_layout=kv_layout))
+    spec = SpeculativeConfig("draft_model", 3, draft_model=tiny64)
+    engine = Engine(tiny64, small(kv_budget_bytes=budget, kv_layout=kv_layout, speculative=spec))
+    draft = engine.runner.proposer.kv_cache
+    assert engine.kv_cache.capacity_bytes + draft.capacity_bytes <= budget
+    assert engine.kv_cache.capacity_bytes < alone.kv_cache.capacity_bytes
+    # the draft holds every token the target can, plus k - 1 guesses and a partial block per sequence
+    assert draft.num_blocks * draft.block_size >= engine.kv_cache.num_blocks * engine.kv_cache.block_size + 8 * 3
+    with pytest.raises(ValueError, match="bytes less the draft model's share"):
+        Engine(tiny64, small(kv_budget_bytes=1_300_000, kv_layout=kv_layout, speculative=spec))
+
+
+def test_the_simulated_draft_takes_its_share_of_gpu_memory():
+    """In the simulator too: a draft model's weights and KV come out of the GPU's
+    memory, so the target's KV cache is smaller than without it."""
+    from ..conftest import sim_engine
+    opts = dict(max_num_seqs=512, max_model_len=8192)
+    alone = sim_engine(**opts)
+    spec = SpeculativeConfig("draft_model", 4, sim_draft_model="llama-3.2-1b")
+    assert sim_engine(speculative=spec, **opts).kv_cache.capacity_bytes < alone.kv_cache.capacity_bytes
