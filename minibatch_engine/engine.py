@@ -194,7 +194,8 @@ class Engine:
             return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
         bs = self._draft_block_size()
         tokens = self.kv_cache.num_blocks * self.kv_cache.block_size + cfg.max_num_seqs * self.draft_tokens_per_seq
-        return DraftModelProposer(draft, spec.num_speculative_tokens, -(-tokens // bs), bs, cfg.attention_backend)
+        # whole blocks, rounded down: the two caches stay inside the budget
+        return DraftModelProposer(draft, spec.num_speculative_tokens, tokens // bs, bs, cfg.attention_backend)
 
     def _make_scheduler(self) -> Scheduler:
         cfg = self.config

@@ -34,8 +34,9 @@ class ScheduledRequest:
     are the samples of an ``n > 1`` request forked from the same logits.
     ``block_table``: the request's KV blocks after this step's allocation (the
     K/V of the new tokens go there). ``prefix_token_ids``: on the step that
-    admits the request from the waiting queue, its tokens before ``start``
-    (those found in the prefix cache; empty without a hit), so a runner that
+    admits the request from the waiting queue (or swaps it back in), its
+    tokens before ``start`` (those found in the prefix cache, or those whose
+    K/V came back from host memory; empty from position 0), so a runner that
     keeps its own copy of each request's tokens (for speculative decoding's
     proposer) starts it whole; None on the steps after (vLLM V1's
     ``NewRequestData`` and ``CachedRequestData``). Built by the scheduler
@@ -125,7 +126,7 @@ class SchedulerOutput:
     batch_id: int | None = None      # static batching numbers its batches
     preempted: list[Preemption] = field(default_factory=list)
     swapped_in: list[SwapIn] = field(default_factory=list)
-    # requests that ended since the last step: the runner drops their sampling state
+    # requests that ended since the last step: the runner drops their state (sampling, tokens, draft)
     finished_request_ids: list[str] = field(default_factory=list)
     # KV blocks the runner copies before the forward, in the order the scheduler decided them
     block_copies: list[BlockCopy] = field(default_factory=list)

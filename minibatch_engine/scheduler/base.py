@@ -5,11 +5,12 @@ Every step the engine calls, in this order:
 1. :meth:`Scheduler.schedule` -> :class:`~minibatch_engine.outputs.SchedulerOutput`:
    who runs, how many tokens each computes, and what the runner needs to
    compute them (plain data: token ids, positions, block tables);
-2. the model runner executes it and returns the sampled tokens;
+2. the model runner executes it and returns the sampled tokens (and, with
+   speculative decoding, its proposer's guesses for the next step);
 3. :meth:`Scheduler.update_from_output`: the scheduler advances
    ``num_computed_tokens``, tells the KV manager which tokens now have K/V,
-   appends the sampled tokens, forks parallel samples, and finishes requests
-   (freeing their memory). vLLM's ``update_from_output`` and nano-vllm's
+   appends the sampled tokens, forks parallel samples, finishes requests
+   (freeing their memory) and stores the guesses on those that go on. vLLM's ``update_from_output`` and nano-vllm's
    ``postprocess`` do the same job.
 
 :meth:`Scheduler.finish_requests` is the one way to end requests from outside

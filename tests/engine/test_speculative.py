@@ -292,11 +292,11 @@ def test_the_runner_proposes_after_sampling(tiny64, refs):
 
 
 @pytest.mark.parametrize("kv_layout", ["paged", "reserved"])
-def test_the_draft_models_kv_is_inside_the_memory_budget(tiny64, kv_layout):
+@pytest.mark.parametrize("budget", [3_866_624, 4_000_000, 5_555_555, 9_000_001])
+def test_the_draft_models_kv_is_inside_the_memory_budget(tiny64, kv_layout, budget):
     """kv_budget_bytes covers the target's cache and the draft's together: the
-    target gets less than it would alone, and the two pools' bytes add up to no
-    more than the budget."""
-    budget = 4_000_000
+    target gets less than it would alone, and the two caches' capacities add up
+    to no more than the budget (whole blocks, rounded down)."""
     alone = Engine(tiny64, small(kv_budget_bytes=budget, kv_layout=kv_layout))
     spec = SpeculativeConfig("draft_model", 3, draft_model=tiny64)
     engine = Engine(tiny64, small(kv_budget_bytes=budget, kv_layout=kv_layout, speculative=spec))
