@@ -90,9 +90,11 @@ def _bench_args(p: argparse.ArgumentParser, simulate: bool, sweep: bool = False)
                    help="with --arrival-rate: gamma-distributed gaps of this shape (1 = Poisson, smaller = burstier)")
     gpus = [g.name for g in GPUS.values()]
     p.add_argument("--sim-gpu", choices=gpus, default="H100-SXM" if simulate else None,
-                   help="time every step with the roofline model of this GPU")
+                   help="time every step with the simulator's cost model of this GPU (operators as measured)")
     p.add_argument("--sim-model", choices=sorted(PRESETS), default="llama-3-8b" if simulate else None,
-                   help="model shape the roofline model prices")
+                   help="model shape the simulator prices")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="simulator only: tensor parallelism over N GPUs (weights, KV heads, projections sharded)")
     p.add_argument("--kv", choices=KV_LAYOUTS, default=None,
                    help="KV cache layout (default: paged; reserved with --scheduler static)")
     p.add_argument("--kv-budget", type=int, default=None, metavar="BYTES",
@@ -234,6 +236,7 @@ def _generate(args) -> int:
 def _engine_options(args) -> dict:
     """The EngineConfig fields the bench-like commands share."""
     return dict(kv_layout=args.kv or "auto", kv_budget_bytes=args.kv_budget, block_size=args.block_size,
+                tensor_parallel_size=args.tp,
                 enable_prefix_caching=not args.no_prefix_caching,
                 max_num_batched_tokens="auto" if args.max_num_batched_tokens is None else args.max_num_batched_tokens,
                 enable_chunked_prefill=not args.no_chunked_prefill,

@@ -84,8 +84,16 @@ class EngineConfig:
         captured lazily; :mod:`minibatch_engine.runner.cuda_graphs`). Used only on
         CUDA with the ``"triton"`` backend; ignored elsewhere. Tokens are the same
         either way.
-    sim_gpu, sim_model: with a GPU name, every step is also timed by the roofline
-        cost model of ``sim_model`` (a preset name, or the engine's own model).
+    sim_gpu, sim_model: with a GPU name, every step is also timed by the
+        simulator's cost model of ``sim_model`` (a preset name, or the engine's
+        own model): each operator as measured on real GPUs, in the order the
+        kernels run (:mod:`minibatch_engine.sim.cost_model`).
+    step_overhead_s: the simulated host's scheduling and input preparation per
+        step (kernel launches are priced apart; ``cuda_graphs`` removes them
+        from decode-only steps in the simulator too).
+    tensor_parallel_size: simulator only: the model runs sharded over this many
+        GPUs of ``sim_gpu`` (weights, KV heads and projections split; two
+        all-reduces per layer); the KV memory is that of all of them.
     """
     scheduler: str = "continuous"
     max_num_seqs: int = 256
@@ -112,6 +120,7 @@ class EngineConfig:
     sim_gpu: str | None = None
     sim_model: str | ModelConfig | None = None
     step_overhead_s: float = 1e-3
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         self.scheduler_config, self.cache_config, self.runner_config, self.sim_config   # each validates itself

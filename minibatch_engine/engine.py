@@ -37,7 +37,7 @@ from .scheduler import ContinuousScheduler, Scheduler, StaticScheduler
 from .scheduler.base import SAMPLE_ID
 from .scheduler.policy import make_policy
 from .scheduler.preemption import Preemptor
-from .sim import RooflineCostModel, get_gpu
+from .sim import CostModel, get_gpu
 from .speculative import DraftModelProposer, NgramProposer, SimProposer
 from .trace import LaneRecord, StepRecord, Trace
 
@@ -68,7 +68,11 @@ class Engine:
         self.config = cfg = cfg.resolve(self.model_config)
         self.max_model_len = cfg.max_model_len
         self.eos_token_id = eos_token_id if eos_token_id is not None else self.model_config.eos_token_id
-        self.cost_model = (RooflineCostModel(get_gpu(cfg.sim_gpu), sim_cfg, step_overhead_s=cfg.step_overhead_s)
+        if cfg.tensor_parallel_size > 1 and (model is not None or not cfg.sim_gpu):
+            raise ValueError("tensor parallelism is simulated only: tensor_parallel_size > 1 needs the simulator "
+                             "alone (no model, sim_gpu and sim_model)")
+        self.cost_model = (CostModel(get_gpu(cfg.sim_gpu), sim_cfg, tensor_parallel_size=cfg.tensor_parallel_size,
+                                     step_overhead_s=cfg.step_overhead_s, cuda_graphs=cfg.cuda_graphs)
                            if cfg.sim_gpu else None)
         device = model.device if model is not None else torch.device("meta")
         dtype = model.dtype if model is not None else torch.bfloat16
@@ -97,15 +101,30 @@ class Engine:
         cfg = self.config
         want = cfg.max_num_seqs * cfg.max_model_len * per_token + extra_bytes
         if self.cost_model is not None and self.model is None:
-            gpu = self.cost_model.gpu
-            draft_weights = self.draft_cost_model.weight_bytes if self.draft_cost_model else 0
-            cap = int(cfg.gpu_memory_utilization * gpu.memory_bytes - self.cost_model.weight_bytes - draft_weights)
+            cap = self._sim_kv_memory()
         elif device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             cap = int(cfg.gpu_memory_utilization * free)
         else:
             cap = DEFAULT_CPU_KV_BYTES
         return min(want, max(cap, 0))
+
+    def _sim_kv_memory(self) -> int:
+        """The simulated GPUs' memory left for KV: ``gpu_memory_utilization`` of
+        each, less its share of the weights (the target's, and a draft model's);
+        refused when the weights alone do not fit."""
+        cfg, cm = self.config, self.cost_model
+        tp, gpu = cm.tp, cm.gpu
+        weights = cm.weight_bytes + (self.draft_cost_model.weight_bytes if self.draft_cost_model else 0)
+        usable = cfg.gpu_memory_utilization * gpu.memory_bytes
+        if weights / tp > usable:
+            need = -(-weights // int(usable))
+            raise ValueError(f"{cm.model.name}'s weights{' and the draft' if self.draft_cost_model else ''} take "
+                             f"{weights / 1e9:.1f} GB, {weights / tp / 1e9:.1f} GB per GPU over "
+                             f"{tp} {gpu.name}: more than the {usable / 1e9:.1f} GB usable on each "
+                             f"(gpu_memory_utilization {cfg.gpu_memory_utilization}); "
+                             f"tensor_parallel_size {need} or more would fit them")
+        return int(tp * usable - weights)
 
     def _draft_block_size(self) -> int:
         cfg = self.config
@@ -119,12 +138,16 @@ class Engine:
         cfg, mc = self.config, self.model_config
         elem = torch.empty(0, dtype=dtype).element_size()
         per_token = mc.kv_bytes_per_token(elem)
+        if self.cost_model is not None and self.model is None:      # KV heads replicated past tp = KV heads
+            per_token = int(per_token * self.cost_model.kv_replication)
         self.draft_tokens_per_seq = 0
         draft_per_token = 0
         if cfg.speculative is not None and cfg.speculative.method == "draft_model":
             draft_cfg = draft.config if draft is not None else self.draft_cost_model.model if \
                 self.draft_cost_model else get_preset(cfg.speculative.sim_draft_model or "llama-3.2-1b")
             draft_per_token = draft_cfg.kv_bytes_per_token(elem)
+            if self.draft_cost_model is not None and self.model is None:
+                draft_per_token = int(draft_per_token * self.draft_cost_model.kv_replication)
             self.draft_tokens_per_seq = cfg.speculative.num_speculative_tokens + self._draft_block_size()
         extra = cfg.max_num_seqs * self.draft_tokens_per_seq * draft_per_token
         explicit = cfg.kv_budget_bytes is not None
@@ -175,14 +198,15 @@ class Engine:
         return draft
 
     def _make_draft_cost_model(self, draft):
-        """The roofline that prices a draft model on the simulated GPU (the draft's
+        """The cost model that prices a draft model on the simulated GPU (the draft's
         own shape, or ``sim_draft_model``); None without a draft or a simulator."""
         spec, cfg = self.config.speculative, self.config
         if spec is None or spec.method != "draft_model" or self.cost_model is None:
             return None
         draft_cfg = spec.sim_draft_model or ("llama-3.2-1b" if draft is None else draft.config)
         draft_cfg = get_preset(draft_cfg) if isinstance(draft_cfg, str) else draft_cfg
-        return RooflineCostModel(get_gpu(cfg.sim_gpu), draft_cfg, step_overhead_s=0.0)
+        return CostModel(get_gpu(cfg.sim_gpu), draft_cfg, tensor_parallel_size=cfg.tensor_parallel_size,
+                         step_overhead_s=0.0, cuda_graphs=cfg.cuda_graphs)
 
     def _make_proposer(self, draft):
         """Speculative decoding's proposer, for the runner: the simulator's stand-in,

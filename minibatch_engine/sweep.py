@@ -10,7 +10,7 @@ the rate of requests that meet the SLO, rises with the rate and then falls.
 Two ways to run a rate:
 
 * the simulator (``sim_gpu``, ``sim_model``): the engine's clock is the
-  roofline model's, arrivals are released on it: deterministic, fast, any
+  cost model's, arrivals are released on it: deterministic, fast, any
   GPU;
 * the real model on the wall clock, through :class:`~minibatch_engine.async_llm.AsyncLLM`
   and the open-loop client: requests are sent at their arrival times whether

@@ -1,5 +1,8 @@
-"""The simulated GPU clock: named GPUs and a roofline cost model of a step."""
-from .cost_model import RooflineCostModel, StepCost
+"""The simulated GPU clock: named GPUs, the measured cost of each operator
+(:func:`op_times`) and a cost model of a step."""
+from .cost_model import CostModel
 from .hardware import GPU, GPUS, get_gpu
+from .operators import op_times
+from .roofline import RooflineCostModel, StepCost
 
-__all__ = ["GPU", "GPUS", "get_gpu", "RooflineCostModel", "StepCost"]
+__all__ = ["GPU", "GPUS", "get_gpu", "op_times", "CostModel", "RooflineCostModel", "StepCost"]

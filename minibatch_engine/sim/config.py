@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..checks import check_number
+from ..checks import check_int, check_number
 from ..model.config import ModelConfig, get_preset
 from .hardware import get_gpu
 
@@ -11,13 +11,16 @@ from .hardware import get_gpu
 @dataclass(frozen=True)
 class SimConfig:
     """With a GPU name, every step is also timed by the cost model of
-    ``sim_model`` on ``sim_gpu`` (see :class:`~minibatch_engine.config.EngineConfig`)."""
+    ``sim_model`` on ``sim_gpu`` (``tensor_parallel_size`` of them; see
+    :class:`~minibatch_engine.config.EngineConfig`)."""
     sim_gpu: str | None = None
     sim_model: str | ModelConfig | None = None
     step_overhead_s: float = 1e-3
+    tensor_parallel_size: int = 1
 
     def __post_init__(self):
         check_number("step_overhead_s", self.step_overhead_s, 0.0, 1e3)
+        check_int("tensor_parallel_size", self.tensor_parallel_size, 1)
         if self.sim_gpu is not None:
             get_gpu(self.sim_gpu)
         if isinstance(self.sim_model, str):

@@ -1,81 +1,157 @@
-"""A roofline cost model of one engine step.
+"""The simulator's cost of one engine step: each operator as measured, in the
+order the kernels run, plus the CPU's share.
 
-step time = max(FLOPs / peak FLOP/s, bytes moved / HBM bandwidth) + overhead
+A GPU runs a step's kernels one after another, so their times add up: the
+projections' arithmetic does not hide the attention kernel's KV reads. Per
+layer: input norm, QKV projection, RoPE, the KV-cache write, attention, O
+projection, a residual add, post-attention norm, gate and up projections,
+activation, down projection, a residual add, and with tensor parallelism two
+all-reduces. Once per step: the embedding, the final norm, the LM head over
+the rows that sample, and sampling. Each comes from :mod:`.operators`, whose
+constants are fitted on measured H100 and A100 timings (``calibration.json``).
 
-* FLOPs: 2 x (non-embedding parameters) per new token for the matrix products,
-  plus attention's QK^T and PV, 4 x layers x heads x head_dim per (query, key)
-  pair, plus the LM head for the one row per sequence that is sampled.
-* Bytes: every weight is read once per step (whatever the batch), each
-  sequence's cached K/V is read once, and the new tokens' K/V written once.
-* overhead: a fixed per-step cost (scheduling, kernel launches, sampling).
-* speculative decoding: verifying k proposals is k + 1 query tokens of one
-  sequence (and k + 1 rows of the LM head), priced like any other tokens; a
-  draft model's k forwards are priced by the same roofline for the draft's
-  shape (:meth:`draft_time`), with no per-step overhead (an assumption: engines
-  run the draft's small steps back to back, e.g. under CUDA graphs).
-* swaps: KV blocks copied between host and device at the GPU's host-link
-  bandwidth, not overlapped with compute (preemption, chapter 6).
+Attention is priced per sequence the way a varlen paged kernel runs them in
+one launch: a sequence with new tokens takes the larger of its causal FLOPs at
+the kernel's compute efficiency and its context's K/V bytes at the kernel's
+memory efficiency (a prefill is compute-bound, a decode memory-bound); the
+sequences' times add up, plus one fixed kernel cost per layer. The profiles
+hold no attention kernel, so those two efficiencies are assumptions
+(:class:`~.calibration.Calibration` says which, and why).
 
-It ignores activations' traffic, kernel efficiency and overlap: a lower bound
-that is right about *which* resource binds, which is what the book uses it for.
+The CPU side of a step is its own term: ``step_overhead_s`` for scheduling and
+input preparation, and a launch cost per kernel. Launches run ahead of the
+GPU, so the GPU's time and the launches overlap; a CUDA graph replaces a
+decode step's launches by one. With ``async_scheduling`` the next step is
+scheduled while the GPU runs, so the host's work hides behind the GPU's.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
 
 from ..model.config import ModelConfig
+from .calibration import Calibration, default_calibration
 from .hardware import GPU
+from .operators import (BYTES, all_reduce_time, check_tensor_parallel, gemm_time, projection_shape, small_op_bytes,
+                        small_op_time)
+from .roofline import RooflineCostModel, StepCost
+
+KERNELS_PER_LAYER = 12     # two norms, QKV, RoPE, KV write, attention, O, two adds, up, activation, down
+KERNELS_PER_STEP = 5       # embedding, final norm, LM head, sampling, the copy of the sampled ids
 
 
-@dataclass
-class StepCost:
-    flops: float
-    bytes: float
-    seconds: float
-    bound: str      # "compute" or "memory"
+class CostModel:
+    """Seconds for one step of ``model`` on ``tensor_parallel_size`` GPUs of one kind.
 
+    ``step_overhead_s``: the host's scheduling and input preparation per step.
+    ``cuda_graphs``: decode-only steps replay a graph (one launch).
+    ``async_scheduling``: the host's work overlaps the GPU's (vLLM's
+    ``--async-scheduling``). ``calibration``: the constants (default: the
+    committed fit).
+    """
 
-class RooflineCostModel:
-    def __init__(self, gpu: GPU, model: ModelConfig, bytes_per_param: int = 2,
-                 kv_bytes_per_element: int = 2, step_overhead_s: float = 1e-3):
-        self.gpu, self.model = gpu, model
-        self.bytes_per_param, self.kv_bytes_per_element = bytes_per_param, kv_bytes_per_element
-        self.step_overhead_s = step_overhead_s
-        self.linear_params = model.num_parameters(include_embeddings=False)
-        self.weight_bytes = model.num_parameters() * bytes_per_param
-        self.kv_bytes_per_token = model.kv_bytes_per_token(kv_bytes_per_element)
+    def __init__(self, gpu: GPU, model: ModelConfig, tensor_parallel_size: int = 1,
+                 step_overhead_s: float = 1e-3, cuda_graphs: bool = True, async_scheduling: bool = False,
+                 calibration: Calibration | None = None):
+        check_tensor_parallel(model, tensor_parallel_size)
+        self.gpu, self.model, self.tp = gpu, model, tensor_parallel_size
+        self.step_overhead_s, self.cuda_graphs, self.async_scheduling = step_overhead_s, cuda_graphs, async_scheduling
+        self.cal = calibration or default_calibration()
+        self.roofline = RooflineCostModel(gpu, model, step_overhead_s=0.0)
+        self.weight_bytes = self.roofline.weight_bytes                     # all GPUs together
+        self.kv_bytes_per_token = self.roofline.kv_bytes_per_token         # all layers, all GPUs
+        self.linear_params = self.roofline.linear_params                   # parameters in the projections
+        self.weight_bytes_per_gpu = self.weight_bytes / tensor_parallel_size
+        tp, m = tensor_parallel_size, model
+        # KV heads are split across the GPUs, or replicated when there are fewer heads than GPUs
+        self.kv_heads_per_gpu = math.ceil(m.num_kv_heads / tp)
+        self.kv_replication = tp * self.kv_heads_per_gpu / m.num_kv_heads
+        self.kv_bytes_per_token_layer = 2 * self.kv_heads_per_gpu * m.head_dim * BYTES   # K and V, one GPU
+        self.heads_per_gpu = m.num_heads // tp
+        self._projections = [projection_shape(op, m, tp) for op in
+                             ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")]
 
-    def step_cost(self, shapes: list[tuple[int, int]], logits_rows: int | None = None) -> StepCost:
-        """Cost of one step over sequences given as (new tokens q, context after the step n);
-        ``logits_rows``: rows of the LM head (default one per sequence)."""
-        m = self.model
+    # --- the GPU's part -----------------------------------------------------------------
+    def _layer_seconds(self, tokens: int) -> dict[str, float]:
+        """One layer's operators for ``tokens`` new tokens, attention aside."""
+        gpu, cal, m, tp = self.gpu, self.cal, self.model, self.tp
+        small = 0.0
+        for op in ("input_layernorm", "post_attention_layernorm", "mlp_act", "add", "add"):
+            small += small_op_time(op, small_op_bytes(op, m, tokens, tp), gpu, cal)
+        if m.family == "llama":
+            small += small_op_time("attn_rope", small_op_bytes("attn_rope", m, tokens, tp), gpu, cal)
+        small += small_op_time("kv_write", tokens * self.kv_bytes_per_token_layer * 2, gpu, cal)   # read + write
+        return {"projections": sum(gemm_time(tokens, N, K, gpu, cal) for K, N in self._projections),
+                "small operators": small,
+                "all-reduce": 2 * all_reduce_time(tokens * m.hidden_size * BYTES, tp, gpu, cal)}
+
+    def attention_seconds(self, shapes: list[tuple[int, int]]) -> float:
+        """One layer's attention kernel over every sequence of the step."""
+        cal, gpu = self.cal, self.gpu
+        flop_rate = gpu.peak_flops * cal.attention_e_compute
+        byte_rate = gpu.hbm_bandwidth * cal.attention_e_memory
+        per_pair = 4 * self.heads_per_gpu * self.model.head_dim       # QK^T and PV, per (query, key)
+        total = 0.0
+        for q, n in shapes:
+            pairs = q * (n - q) + q * (q + 1) // 2
+            total += max(per_pair * pairs / flop_rate, n * self.kv_bytes_per_token_layer / byte_rate)
+        return total + cal.t0_s
+
+    def _once_seconds(self, tokens: int, rows: int) -> dict[str, float]:
+        gpu, cal, m = self.gpu, self.cal, self.model
+        norm_and_embedding = (small_op_time("emb", small_op_bytes("emb", m, tokens), gpu, cal)
+                              + small_op_time("input_layernorm", small_op_bytes("input_layernorm", m, tokens),
+                                              gpu, cal))
+        lm_head = gemm_time(rows, m.vocab_size // self.tp, m.hidden_size, gpu, cal)
+        lm_head += all_reduce_time(rows * m.vocab_size * BYTES / 2, self.tp, gpu, cal)   # gather ~ half a reduce
+        sampling = small_op_time("sampling", rows * m.vocab_size * 4 * 2, gpu, cal)     # fp32 logits, two passes
+        return {"embedding and final norm": norm_and_embedding, "LM head": lm_head, "sampling": sampling}
+
+    def gpu_seconds(self, shapes: list[tuple[int, int]], logits_rows: int | None = None) -> dict[str, float]:
+        """The GPU's seconds for a step, by part."""
         tokens = sum(q for q, _ in shapes)
-        # new token i (1..q) of a sequence with n - q cached tokens attends to n - q + i keys
-        pairs = sum(q * (n - q) + q * (q + 1) // 2 for q, n in shapes)
-        flops = (2 * self.linear_params * tokens
-                 + 4 * m.num_layers * m.num_heads * m.head_dim * pairs
-                 + 2 * m.hidden_size * m.vocab_size * (len(shapes) if logits_rows is None else logits_rows))
-        kv_read = sum(n - q for q, n in shapes) * self.kv_bytes_per_token
-        kv_write = tokens * self.kv_bytes_per_token
-        nbytes = self.weight_bytes + kv_read + kv_write
-        t_compute, t_memory = flops / self.gpu.peak_flops, nbytes / self.gpu.hbm_bandwidth
-        bound = "compute" if t_compute >= t_memory else "memory"
-        return StepCost(flops, nbytes, max(t_compute, t_memory) + self.step_overhead_s, bound)
+        rows = len(shapes) if logits_rows is None else logits_rows
+        layers = self.model.num_layers
+        parts = {k: layers * v for k, v in self._layer_seconds(tokens).items()}
+        parts["attention"] = layers * self.attention_seconds(shapes)
+        parts.update(self._once_seconds(tokens, rows))
+        return parts
+
+    # --- the host's part ----------------------------------------------------------------
+    def launch_seconds(self, shapes: list[tuple[int, int]]) -> float:
+        """CPU time to launch the step's kernels (one graph replay for a decode-only step)."""
+        if self.cuda_graphs and all(q == 1 for q, _ in shapes):
+            return self.cal.graph_launch_s
+        per_layer = KERNELS_PER_LAYER + (2 if self.tp > 1 else 0)
+        return (per_layer * self.model.num_layers + KERNELS_PER_STEP) * self.cal.launch_s
+
+    # --- the step -----------------------------------------------------------------------
+    def step_cost(self, shapes: list[tuple[int, int]], logits_rows: int | None = None) -> StepCost:
+        """Cost of one step over sequences given as (new tokens q, context after the
+        step n); ``logits_rows``: rows of the LM head (default one per sequence)."""
+        parts = self.gpu_seconds(shapes, logits_rows)
+        gpu = sum(parts.values())
+        launch, host = self.launch_seconds(shapes), self.step_overhead_s
+        seconds = max(gpu, host + launch) if self.async_scheduling else host + max(gpu, launch)
+        parts["host (not hidden by the GPU)"] = seconds - gpu
+        flops, nbytes = self.roofline.flops_and_bytes(shapes, logits_rows)
+        bound = "compute" if flops / self.gpu.peak_flops >= nbytes / self.gpu.hbm_bandwidth else "memory"
+        return StepCost(flops, nbytes, seconds, bound, parts)
 
     def swap_time(self, nbytes: int) -> float:
-        """Seconds to copy ``nbytes`` of KV cache between host and device."""
-        return nbytes / self.gpu.host_link_bandwidth
+        """Seconds to copy ``nbytes`` of KV cache between host and device (the GPUs'
+        links in parallel under tensor parallelism), not overlapped with compute."""
+        return nbytes / (self.gpu.host_link_bandwidth * self.tp)
 
     def step_time(self, shapes: list[tuple[int, int]], swap_bytes: int = 0,
                   logits_rows: int | None = None) -> float:
         return (self.step_cost(shapes, logits_rows).seconds if shapes else 0.0) + self.swap_time(swap_bytes)
 
     def draft_time(self, steps: list[list[tuple[int, int]]]) -> float:
-        """Seconds for a draft model's forwards (call it on a cost model built for
-        the draft's shape, with ``step_overhead_s=0``), each forward given as its
-        sequences' (new tokens, context) shapes."""
+        """Seconds for a draft model's forwards (a cost model built for the draft's
+        shape, with ``step_overhead_s=0``), each forward given as its sequences'
+        (new tokens, context) shapes."""
         return sum(self.step_cost(shapes).seconds for shapes in steps if shapes)
 
     def __repr__(self) -> str:
-        return (f"RooflineCostModel({self.model.name} on {self.gpu.name}, "
-                f"overhead {self.step_overhead_s * 1e3:g} ms/step)")
+        tp = f" x{self.tp}" if self.tp > 1 else ""
+        return f"CostModel({self.model.name} on {self.gpu.name}{tp}, host {self.step_overhead_s * 1e3:g} ms/step)"

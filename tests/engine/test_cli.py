@@ -103,3 +103,12 @@ def test_percentiles_and_goodput_flags(tmp_path):
     assert data["goodput"] == pytest.approx(data["good_requests"] / data["duration_s"])
     assert main(["simulate", "--num-requests", "2", "--goodput", "latency:5", "--no-progress"]) == 2
     assert main(["simulate", "--num-requests", "2", "--percentiles", "50,101", "--no-progress"]) == 2
+
+
+def test_simulate_with_tensor_parallelism(capsys):
+    """--tp shards a model that one GPU cannot hold; without it the run is refused
+    with the memory it needs, as a usage error."""
+    assert main(["simulate", "--sim-model", "llama-3-70b", "--tp", "4", "--num-requests", "4",
+                 "--max-batch", "4", "--no-progress"]) == 0
+    assert main(["simulate", "--sim-model", "llama-3-70b", "--num-requests", "4", "--no-progress"]) == 2
+    assert "tensor_parallel_size 2 or more" in capsys.readouterr().err

@@ -24,7 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 CHAPTER_FILES = sorted((ROOT / "chapters").glob("[0-9][0-9]_*.ipynb"))
 EXISTING = {int(p.name[:2]) for p in CHAPTER_FILES}
-BOOK_PAGES = sorted((ROOT / "book").glob("*.md"))
+BOOK_PAGES = sorted([*(ROOT / "book").glob("*.md"), *(ROOT / "book").glob("*.ipynb")])
 
 # "chapter 3", "Chapters 2 to 4", "chapters 5 and 6", "chapters 1, 2 and 3", "chapter 2–4"
 CHAPTER_REF = re.compile(
