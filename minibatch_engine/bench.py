@@ -61,6 +61,12 @@ def summarize(engine: Engine, requests, ps=DEFAULT_PERCENTILES, goodput=None) ->
     if engine.cost_model is not None:
         s["sim_seconds"] = trace.end_time("sim")
         s["sim_output_tokens_per_second"] = out_tokens / s["sim_seconds"]
+    if engine.model is not None and engine.model.device.type == "cpu" and len(trace):
+        # the run against this CPU's limit for the model (minibatch_engine.machine_limit)
+        from .machine_limit import limit_of_run, machine_rates
+        lim = limit_of_run(trace, engine.model_config, machine_rates(engine.model_config, engine.model.dtype),
+                           engine.model.dtype)
+        s.update({f"machine_{k}": v for k, v in lim.items()})
     step_wall = sum(st.wall_dt for st in trace.steps)
     in_model = sum(st.forward_s + st.sample_s for st in trace.steps)
     # Share of step time outside the model forward and sampling: scheduling,
@@ -290,6 +296,8 @@ def format_report(summary: dict, simulated: bool = False) -> str:
         groups = [g for g in groups if g[0] != "speculative decoding"]
     if not simulated and np.isfinite(s.get("overhead_fraction", float("nan"))):
         groups[1][1].append(("engine overhead", f"{s['overhead_fraction']:.1%} of step time"))
+    if not simulated and s.get("machine_limit_fraction") is not None:
+        groups[1][1].append(("of this CPU's limit", _limit_line(s)))
     if s.get("policy", "fcfs") != "fcfs":
         aging = s.get("priority_aging_s")
         groups[0][1].append(("policy", s["policy"] + (f", aging {_fmt(aging)} s" if aging else "")))
@@ -303,6 +311,14 @@ def format_report(summary: dict, simulated: bool = False) -> str:
         lines.append(title)
         lines += [f"  {k:<{width}}  {v}" for k, v in rows]
     return "\n".join(lines)
+
+
+def _limit_line(s: dict) -> str:
+    """"x% of this CPU's limit": the run's steps at the machine's measured rates, over their wall time."""
+    large = s.get("machine_large_batch_limit_fraction")
+    return (f"{s['machine_limit_fraction']:.0%} (steps of 32+ rows: "
+            f"{'n/a' if large is None or not np.isfinite(large) else f'{large:.0%}'}; its matmuls "
+            f"{s['machine_matmul_flops_per_s'] / 1e9:,.0f} GFLOP/s, memory {s['machine_memory_bytes_per_s'] / 1e9:,.0f} GB/s)")
 
 
 def _group_line(g: dict) -> str:

@@ -55,6 +55,10 @@ positive_float = _checked(float, lambda v: _finite(v) and v > 0, "a finite numbe
 non_negative_float = _checked(float, lambda v: _finite(v) and v >= 0, "a finite number >= 0")
 
 
+def _cpu_threads(value: str):
+    return value if value == "auto" else positive_int(value)
+
+
 def _model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", choices=BACKENDS, default="auto",
                    help="auto: triton on CUDA when installed; on a CPU cpp (a C++ paged kernel, compiled on first use) when a compiler is present, else sdpa")
@@ -62,6 +66,8 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="'tiny' (built-in, seeded random weights), 'tiny-py' (small, trained on Python source) or a Hugging Face checkpoint directory")
     p.add_argument("--device", default="auto", help="'auto' (CUDA when present), 'cpu' or 'cuda'")
     p.add_argument("--dtype", default="float32", help="float32, float16, bfloat16 or float64")
+    p.add_argument("--cpu-threads", type=_cpu_threads, default="auto",
+                   help="on a CPU: PyTorch's threads; auto (default): the cores other processes leave free")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -221,7 +227,8 @@ def _generate(args) -> int:
     from .llm import LLM
     from .sampling import SamplingParams
     llm = LLM(args.model, device=args.device, dtype=args.dtype, scheduler=args.scheduler,
-              max_num_seqs=max(1, len(args.prompts)), attention_backend=args.attention_backend)
+              max_num_seqs=max(1, len(args.prompts)), attention_backend=args.attention_backend,
+              cpu_threads=args.cpu_threads)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     if args.model == "tiny":
@@ -257,7 +264,7 @@ def _sweep(args) -> int:
     if simulate:
         opts.update(sim_gpu=args.sim_gpu, sim_model=args.sim_model)
     else:
-        opts["attention_backend"] = args.attention_backend
+        opts.update(attention_backend=args.attention_backend, cpu_threads=args.cpu_threads)
     rows = sweep(rates, simulate=simulate, model=args.model, device=args.device, dtype=args.dtype,
                  jsonl=args.jsonl, progress=not args.no_progress, **opts)
     p = f"{ps[-1]:g}"
@@ -291,7 +298,7 @@ def _bench(args, simulate: bool) -> int:
         speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
         **({"sim_acceptance_rate": args.sim_acceptance_rate} if simulate else {"draft_model": args.draft_model}),
         **({} if simulate else {"model": args.model, "device": args.device, "dtype": args.dtype,
-                                "attention_backend": args.attention_backend}))
+                                "attention_backend": args.attention_backend, "cpu_threads": args.cpu_threads}))
     print(format_report(summary, simulated=simulate))
     if args.json:
         write_json(summary, args.json)

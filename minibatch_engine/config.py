@@ -84,6 +84,12 @@ class EngineConfig:
         captured lazily; :mod:`minibatch_engine.runner.cuda_graphs`). Used only on
         CUDA with the ``"triton"`` backend; ignored elsewhere. Tokens are the same
         either way.
+    cpu_threads: on a CPU, the threads of PyTorch's intra-op pool (which the C++
+        kernels share): ``"auto"`` (default) takes the cores that are free when
+        the engine starts, measured from ``/proc/stat``, so a busy machine does not
+        leave threads spinning at barriers for cores another process holds
+        (:mod:`minibatch_engine.cpu_threads`); a number sets it. It sets
+        ``torch.set_num_threads`` for the whole process.
     sim_gpu, sim_model: with a GPU name, every step is also timed by the
         simulator's cost model of ``sim_model`` (a preset name, or the engine's
         own model): each operator as measured on real GPUs, in the order the
@@ -117,6 +123,7 @@ class EngineConfig:
     attention_backend: str = "auto"
     speculative: SpeculativeConfig | None = None
     cuda_graphs: bool = True
+    cpu_threads: int | str = "auto"
     sim_gpu: str | None = None
     sim_model: str | ModelConfig | None = None
     step_overhead_s: float = 1e-3

@@ -179,7 +179,8 @@ class Engine:
         host = (HostKVPool(model.config, swap.num_blocks, cfg.block_size, model.dtype, model.device.type)
                 if swap else None)
         return ModelRunner(model, pool, host_pool=host, attention_backend=cfg.attention_backend,
-                           cuda_graphs=cfg.cuda_graphs, max_num_seqs=cfg.max_num_seqs,
+                           cuda_graphs=cfg.cuda_graphs, cpu_threads=cfg.cpu_threads,
+                           max_num_seqs=cfg.max_num_seqs,
                            max_model_len=cfg.max_model_len, proposer=proposer)
 
     def _load_draft_model(self, model):

@@ -92,18 +92,19 @@ def run_hf_continuous(hf, prompts, max_tokens, batch: int) -> list[list[int]]:
     return [results[i] for i in ids]
 
 
-def engine_for(model, prompts, max_tokens, batch: int, attention_backend: str):
+def engine_for(model, prompts, max_tokens, batch: int, attention_backend: str, cpu_threads: int | str = "auto"):
     """This engine (continuous, paged, ``max_num_seqs=batch``) and the workload's
     requests, added to it in order."""
     from .engine import Engine
     from .sampling import SamplingParams
-    eng = Engine(model, max_num_seqs=batch, attention_backend=attention_backend)
+    eng = Engine(model, max_num_seqs=batch, attention_backend=attention_backend, cpu_threads=cpu_threads)
     reqs = [eng.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True)) for p, m in zip(prompts, max_tokens)]
     return eng, reqs
 
 
-def run_engine(model, prompts, max_tokens, batch: int, attention_backend: str) -> list[list[int]]:
-    eng, reqs = engine_for(model, prompts, max_tokens, batch, attention_backend)
+def run_engine(model, prompts, max_tokens, batch: int, attention_backend: str,
+               cpu_threads: int | str = "auto") -> list[list[int]]:
+    eng, reqs = engine_for(model, prompts, max_tokens, batch, attention_backend, cpu_threads)
     eng.run()
     return [list(r.output_token_ids) for r in reqs]
 
@@ -134,7 +135,7 @@ def compare(model="tiny", num_requests: int = 64, batch: int = 64, seed: int = 0
     runs = {
         "hf-static": lambda: run_hf_static(hf, prompts, max_tokens, batch, pad_id),
         "hf-continuous": lambda: run_hf_continuous(hf, prompts, max_tokens, batch),
-        "engine": lambda: run_engine(ours, prompts, max_tokens, batch, attention_backend),
+        "engine": lambda: run_engine(ours, prompts, max_tokens, batch, attention_backend, threads or "auto"),
     }
     # warm-ups, untimed: first-call allocations and kernel selection
     warmup(ours)
@@ -154,7 +155,7 @@ def compare(model="tiny", num_requests: int = 64, batch: int = 64, seed: int = 0
     # One more engine run, untimed by the rounds, with its attention timed from the
     # inside: where the engine's step time goes (attention, rest of model, engine).
     from .profiling import profile_run
-    shares = profile_run(engine_for(ours, prompts, max_tokens, batch, attention_backend)[0])
+    shares = profile_run(engine_for(ours, prompts, max_tokens, batch, attention_backend, threads or "auto")[0])
     ref = results["engine"].tokens
     summary = {
         "model": model if isinstance(model, str) else ours.config.name,

@@ -46,13 +46,15 @@ from ..speculative.proposer import ProposalInput, Proposer
 from ..speculative.verify import rejection_sample, verify_greedy
 from ..kv.pool import carry_out
 from .base import Runner
+from ..cpu_threads import set_cpu_threads
 from .prepack import prepack_linear_weights
 
 
 class ModelRunner(Runner):
     def __init__(self, model, kv_pool, host_pool=None, pad_token_id: int | None = None,
                  attention_backend: str = "auto", cuda_graphs: bool = False, max_num_seqs: int = 256,
-                 max_model_len: int | None = None, proposer: Proposer | None = None):
+                 max_model_len: int | None = None, proposer: Proposer | None = None,
+                 cpu_threads: int | str = "auto"):
         self.model, self.kv_pool, self.host_pool = model, kv_pool, host_pool
         self.proposer = proposer
         self.token_ids: dict[str, list[int]] = {}    # request id -> its tokens (kept for the proposer only)
@@ -68,6 +70,7 @@ class ModelRunner(Runner):
             self.graphs = DecodeGraphs(model, kv_pool, self.attention, max_num_seqs,
                                        max_model_len or model.config.max_position, self.pad_token_id)
         if self.device.type == "cpu":
+            self.num_threads = set_cpu_threads(cpu_threads)    # the free cores (before prepacking times them)
             prepack_linear_weights(model)
         self.generators: dict[str, torch.Generator] = {}   # request id -> its sampling RNG
 

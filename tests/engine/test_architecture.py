@@ -13,12 +13,12 @@ PACKAGE = Path(__file__).resolve().parents[2] / "minibatch_engine"
 
 # Lowest first. A module may import from its own layer or below, never above.
 LAYERS = [
-    {"checks", "device", "inputs", "sampling", "request", "outputs"},
+    {"checks", "device", "cpu_threads", "inputs", "sampling", "request", "outputs"},
     {"attention", "kv"},
     {"model", "sim"},
     {"scheduler", "speculative"},
     {"runner"},
-    {"config", "trace", "metrics", "profiling", "workload"},
+    {"config", "trace", "metrics", "profiling", "workload", "machine_limit"},
     {"engine"},
     {"llm", "async_llm", "bench", "sweep", "vs_transformers", "book"},
     {"cli", "__main__", ""},

@@ -29,16 +29,20 @@ def test_long_contexts_many_tiles_and_big_blocks(dtype):
         assert_matches_reference(backend, case)
 
 
+CHECKPOINT_HEAD_SIZES = [32, 64, 80, 96, 128]     # Llama and GPT-2 checkpoints' head sizes
+
+
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", CHECKPOINT_HEAD_SIZES)
 def test_simd_path_matches_the_reference(dtype, head_dim):
-    """Head sizes 64 and 128 in float32/float64 take the kernel's explicit-SIMD
-    passes (a few heads per pass, their rows in registers), or with simd=False
-    the plain loops. Head counts that leave a remainder pass (6 heads: passes of
-    4 or 2, then single heads), GQA 1/2/3, blocks of 1/16/32, decodes and prefill
-    chunks, contexts of several tiles."""
+    """Every checkpoint head size in float32/float64 takes the kernel's
+    explicit-SIMD passes (a few heads per pass, their rows in registers), or
+    with simd=False the plain loops. Head counts that leave a remainder pass (6
+    heads: passes of 4 or 2, then single heads), GQA 1/2/3, blocks of 1/16/32,
+    decodes and prefill chunks, contexts of several tiles."""
     from minibatch_engine.attention.cpp_backend import CppBackend
+    assert cpu_kernel.load_cpu_kernel().simd_path(dtype, head_dim)
     gen = torch.Generator().manual_seed(11)
     for backend in (CppBackend(), CppBackend(simd=False)):     # the passes, then the plain loops
         for num_heads, num_kv_heads in ((6, 6), (6, 3), (6, 2), (4, 2)):
@@ -47,6 +51,29 @@ def test_simd_path_matches_the_reference(dtype, head_dim):
                                     num_seqs=4, max_len=100)
                 assert_matches_reference(backend, case)
         assert_matches_reference(backend, case, cache=False)
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_dim", CHECKPOINT_HEAD_SIZES)
+def test_bfloat16_caches_take_the_simd_passes_too(head_dim):
+    """A bfloat16 cache is read as float32 vectors in the SIMD passes: close to
+    the float64 reference, and to the plain loops (the same float32 arithmetic,
+    summed in another order, each rounded to bfloat16)."""
+    from minibatch_engine.attention.cpp_backend import CppBackend
+    from .attention_cases import reference, run_backend
+    kernel = cpu_kernel.load_cpu_kernel()
+    assert kernel.simd_path(torch.bfloat16, head_dim) and not kernel.simd_path(torch.float16, head_dim)
+    gen = torch.Generator().manual_seed(3)
+    for num_heads, num_kv_heads, block_size in ((6, 2, 16), (4, 4, 1)):
+        case64 = random_batch(gen, "mixed", block_size, num_heads, num_kv_heads, head_dim, torch.float64,
+                              num_seqs=4, max_len=100)
+        case = {k: v.to(torch.bfloat16) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                for k, v in case64.items()}
+        simd, _, _ = run_backend(CppBackend(), case)
+        plain, _, _ = run_backend(CppBackend(simd=False), case)
+        ref, _, _ = reference(case64)
+        torch.testing.assert_close(simd.double(), ref, rtol=0, atol=5e-2)
+        torch.testing.assert_close(simd.double(), plain.double(), rtol=0, atol=2e-2)
 
 
 @needs_kernel

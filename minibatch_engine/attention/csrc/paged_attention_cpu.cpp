@@ -51,6 +51,13 @@ using minibatch_simd::Simd;
 using minibatch_simd::weighted_sum_pass;
 
 constexpr int64_t TILE = 32;   // key positions scored before each rescale of acc
+
+// cache types the explicit-SIMD passes read: those the arithmetic is done in, and bfloat16
+template <typename scalar_t>
+constexpr bool simd_dtype() {
+  using acc_t = at::opmath_type<scalar_t>;
+  return std::is_same_v<acc_t, scalar_t> || (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<acc_t, float>);
+}
 constexpr int LANES = 16;     // independent partial sums, so the compiler can vectorise the dot product
 
 template <int64_t DC, typename acc_t, typename scalar_t>
@@ -99,9 +106,10 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
             const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start,
             int64_t block_size, bool use_simd) {
   using acc_t = at::opmath_type<scalar_t>;
-  // the explicit-SIMD passes where the cache holds the accumulation type (float32, float64);
-  // use_simd=false runs the plain loops instead (chapter 10 measures the difference)
-  constexpr bool simd_ok = std::is_same_v<acc_t, scalar_t> && DC > 0 && DC % Simd<acc_t>::width == 0;
+  // the explicit-SIMD passes where the cache holds the accumulation type (float32, float64)
+  // or bfloat16 (read as float32); use_simd=false runs the plain loops instead (chapter 10
+  // measures the difference)
+  constexpr bool simd_ok = simd_dtype<scalar_t>() && DC > 0 && DC % Simd<acc_t>::width == 0;
   const bool simd = simd_ok && use_simd;
   constexpr int64_t NH = Simd<acc_t>::template heads_per_pass<DC>;
   const bool paged = k_cache.numel() > 0;
@@ -309,11 +317,30 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   auto out = at::empty(q.sizes(), q.options());
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     // the common head sizes get their own compiled loops (fully unrolled over D)
+    auto run = [&](auto dc) {
+      attend<scalar_t, decltype(dc)::value>(q, k, v, k_cache, v_cache, slot_mapping, out, block_tables, seq_lens,
+                                            query_start, block_size, use_simd);
+    };
     switch (q.size(2)) {
-      case 64: attend<scalar_t, 64>(q, k, v, k_cache, v_cache, slot_mapping, out, block_tables, seq_lens, query_start, block_size, use_simd); break;
-      case 128: attend<scalar_t, 128>(q, k, v, k_cache, v_cache, slot_mapping, out, block_tables, seq_lens, query_start, block_size, use_simd); break;
-      default: attend<scalar_t, 0>(q, k, v, k_cache, v_cache, slot_mapping, out, block_tables, seq_lens, query_start, block_size, use_simd);
+      case 32: run(std::integral_constant<int64_t, 32>{}); break;
+      case 64: run(std::integral_constant<int64_t, 64>{}); break;
+      case 80: run(std::integral_constant<int64_t, 80>{}); break;
+      case 96: run(std::integral_constant<int64_t, 96>{}); break;
+      case 128: run(std::integral_constant<int64_t, 128>{}); break;
+      default: run(std::integral_constant<int64_t, 0>{});
     }
   });
   return out;
+}
+
+// Whether a cache of this dtype and head size takes the explicit-SIMD passes (the head
+// sizes of Llama and GPT-2 checkpoints: 32, 64, 80, 96, 128).
+bool simd_path(at::ScalarType dtype, int64_t head_dim) {
+  bool yes = false;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, dtype, "simd_path", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const bool sized = head_dim == 32 || head_dim == 64 || head_dim == 80 || head_dim == 96 || head_dim == 128;
+    yes = simd_dtype<scalar_t>() && sized && head_dim % Simd<acc_t>::width == 0;
+  });
+  return yes;
 }
