@@ -143,8 +143,8 @@ class Engine:
         self.draft_tokens_per_seq = 0
         draft_per_token = 0
         if cfg.speculative is not None and cfg.speculative.method == "draft_model":
-            draft_cfg = draft.config if draft is not None else self.draft_cost_model.model if \
-                self.draft_cost_model else get_preset(cfg.speculative.sim_draft_model or "llama-3.2-1b")
+            # the real draft's shape, or (simulator alone) the shape its cost model prices
+            draft_cfg = draft.config if draft is not None else self.draft_cost_model.model
             draft_per_token = draft_cfg.kv_bytes_per_token(elem)
             if self.draft_cost_model is not None and self.model is None:
                 draft_per_token = int(draft_per_token * self.draft_cost_model.kv_replication)

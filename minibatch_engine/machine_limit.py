@@ -25,6 +25,7 @@ import torch
 
 from .model.config import ModelConfig
 from .sim.hardware import GPU
+from .sim.operators import PROJECTIONS, projection_shape
 from .sim.roofline import RooflineCostModel
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "minibatch_engine" / "machine_limit.json"
@@ -39,11 +40,8 @@ class Rates:
 
 
 def _shapes(model: ModelConfig) -> list[tuple[int, int]]:
-    """(in, out) of one layer's projections."""
-    h, hd = model.hidden_size, model.head_dim
-    up = (2 if model.family == "llama" else 1) * model.intermediate_size
-    return [(h, (model.num_heads + 2 * model.num_kv_heads) * hd), (model.num_heads * hd, h), (h, up),
-            (model.intermediate_size, h)]
+    """(in, out) of one layer's projections (the simulator's, unsharded)."""
+    return [projection_shape(op, model) for op in PROJECTIONS]
 
 
 def _best(fn, reps: int) -> float:

@@ -42,7 +42,7 @@ from ..attention.metadata import long_tensor
 from ..model.config import PAD_ID
 from ..sampling import sample, sampling_probs
 from ..outputs import RunnerOutput, SchedulerOutput
-from ..speculative.proposer import ProposalInput, Proposer
+from ..speculative.proposer import Proposer
 from ..speculative.verify import rejection_sample, verify_greedy
 from ..kv.pool import carry_out
 from .base import Runner
@@ -70,7 +70,7 @@ class ModelRunner(Runner):
             self.graphs = DecodeGraphs(model, kv_pool, self.attention, max_num_seqs,
                                        max_model_len or model.config.max_position, self.pad_token_id)
         if self.device.type == "cpu":
-            self.num_threads = set_cpu_threads(cpu_threads)    # the free cores (before prepacking times them)
+            set_cpu_threads(cpu_threads)    # the free cores (before prepacking times them)
             prepack_linear_weights(model)
         self.generators: dict[str, torch.Generator] = {}   # request id -> its sampling RNG
 
@@ -214,12 +214,11 @@ class ModelRunner(Runner):
     def _propose(self, sched: SchedulerOutput, out: RunnerOutput) -> None:
         """After sampling: the proposer's guesses for every sequence that sampled
         (a forked sample starts from its parent's tokens)."""
-        sampled, history, k = out.sampled_token_ids, self.token_ids, self.proposer.k
+        sampled, history = out.sampled_token_ids, self.token_ids
         seqs = []
 
         def add(rid, tokens, num_prompt, params):
-            cap = min(k, params.max_proposals(len(tokens) - num_prompt))
-            seqs.append(ProposalInput(rid, len(tokens), num_prompt, cap, tokens))
+            seqs.append(self.proposer.input_for(rid, len(tokens), num_prompt, params, tokens))
 
         for s in sched.scheduled:
             if not s.samples_token:

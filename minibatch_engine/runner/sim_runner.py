@@ -13,7 +13,7 @@ from __future__ import annotations
 import random
 
 from ..outputs import RunnerOutput, SchedulerOutput
-from ..speculative.proposer import ProposalInput, Proposer
+from ..speculative.proposer import Proposer
 from .base import Runner
 
 
@@ -45,8 +45,7 @@ class SimRunner(Runner):
                                                                      for f in s.forks)]:
                 out.sampled_token_ids[rid] = s.spec_token_ids[:accepted] + [self.token_id]
                 if self.proposer is not None:
-                    cap = min(self.proposer.k, params.max_proposals(n - s.num_prompt_tokens))
-                    seqs.append(ProposalInput(rid, n, s.num_prompt_tokens, cap))
+                    seqs.append(self.proposer.input_for(rid, n, s.num_prompt_tokens, params))
         if seqs:
             out.spec_token_ids = self.proposer.propose(seqs)
             out.draft_shapes = self.proposer.last_draft_shapes

@@ -31,8 +31,8 @@ import math
 from ..model.config import ModelConfig
 from .calibration import Calibration, default_calibration
 from .hardware import GPU
-from .operators import (BYTES, all_reduce_time, check_tensor_parallel, gemm_time, projection_shape, small_op_bytes,
-                        small_op_time)
+from .operators import (BYTES, all_reduce_time, check_tensor_parallel, gemm_time, layer_op_time, projection_shape,
+                        small_op_bytes, small_op_time)
 from .roofline import RooflineCostModel, StepCost
 
 KERNELS_PER_LAYER = 12     # two norms, QKV, RoPE, KV write, attention, O, two adds, up, activation, down
@@ -75,10 +75,8 @@ class CostModel:
         """One layer's operators for ``tokens`` new tokens, attention aside."""
         gpu, cal, m, tp = self.gpu, self.cal, self.model, self.tp
         small = 0.0
-        for op in ("input_layernorm", "post_attention_layernorm", "mlp_act", "add", "add"):
-            small += small_op_time(op, small_op_bytes(op, m, tokens, tp), gpu, cal)
-        if m.family == "llama":
-            small += small_op_time("attn_rope", small_op_bytes("attn_rope", m, tokens, tp), gpu, cal)
+        for op in ("input_layernorm", "post_attention_layernorm", "mlp_act", "add", "add", "attn_rope"):
+            small += layer_op_time(op, m, tokens, tp, gpu, cal)
         small += small_op_time("kv_write", tokens * self.kv_bytes_per_token_layer * 2, gpu, cal)   # read + write
         return {"projections": sum(gemm_time(tokens, N, K, gpu, cal) for K, N in self._projections),
                 "small operators": small,
@@ -125,14 +123,19 @@ class CostModel:
         return (per_layer * self.model.num_layers + KERNELS_PER_STEP) * self.cal.launch_s
 
     # --- the step -----------------------------------------------------------------------
-    def step_cost(self, shapes: list[tuple[int, int]], logits_rows: int | None = None) -> StepCost:
-        """Cost of one step over sequences given as (new tokens q, context after the
-        step n); ``logits_rows``: rows of the LM head (default one per sequence)."""
+    def _timed(self, shapes, logits_rows) -> tuple[dict[str, float], float]:
+        """The step's GPU seconds by part, with the host's unhidden share added, and its seconds."""
         parts = self.gpu_seconds(shapes, logits_rows)
         gpu = sum(parts.values())
         launch, host = self.launch_seconds(shapes), self.step_overhead_s
         seconds = max(gpu, host + launch) if self.async_scheduling else host + max(gpu, launch)
         parts["host (not hidden by the GPU)"] = seconds - gpu
+        return parts, seconds
+
+    def step_cost(self, shapes: list[tuple[int, int]], logits_rows: int | None = None) -> StepCost:
+        """Cost of one step over sequences given as (new tokens q, context after the
+        step n); ``logits_rows``: rows of the LM head (default one per sequence)."""
+        parts, seconds = self._timed(shapes, logits_rows)
         flops, nbytes = self.roofline.flops_and_bytes(shapes, logits_rows)
         bound = "compute" if flops / self.gpu.peak_flops >= nbytes / self.gpu.hbm_bandwidth else "memory"
         return StepCost(flops, nbytes, seconds, bound, parts)
@@ -144,13 +147,14 @@ class CostModel:
 
     def step_time(self, shapes: list[tuple[int, int]], swap_bytes: int = 0,
                   logits_rows: int | None = None) -> float:
-        return (self.step_cost(shapes, logits_rows).seconds if shapes else 0.0) + self.swap_time(swap_bytes)
+        # the engine's clock, every step: the seconds alone (no FLOP and byte count)
+        return (self._timed(shapes, logits_rows)[1] if shapes else 0.0) + self.swap_time(swap_bytes)
 
     def draft_time(self, steps: list[list[tuple[int, int]]]) -> float:
         """Seconds for a draft model's forwards (a cost model built for the draft's
         shape, with ``step_overhead_s=0``), each forward given as its sequences'
         (new tokens, context) shapes."""
-        return sum(self.step_cost(shapes).seconds for shapes in steps if shapes)
+        return sum(self._timed(shapes, None)[1] for shapes in steps if shapes)
 
     def __repr__(self) -> str:
         tp = f" x{self.tp}" if self.tp > 1 else ""

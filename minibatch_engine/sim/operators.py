@@ -96,7 +96,8 @@ def all_reduce_time(nbytes, num_gpus: int, gpu: GPU, cal: Calibration | None = N
     return alpha + 2 * (num_gpus - 1) / num_gpus * nbytes / (fraction * gpu.nvlink_bandwidth)
 
 
-def _layer_op_time(op: str, model: ModelConfig, M, tp: int, gpu: GPU, cal: Calibration):
+def layer_op_time(op: str, model: ModelConfig, M, tp: int, gpu: GPU, cal: Calibration | None = None):
+    """Seconds of one of a layer's operators (``LAYER_OPS``) for ``M`` tokens."""
     if op in PROJECTIONS:
         K, N = projection_shape(op, model, tp)
         return gemm_time(M, N, K, gpu, cal)
@@ -123,7 +124,7 @@ def op_times(gpu: str | GPU, model: str | ModelConfig, num_tokens: int, tp: int 
         raise ValueError(f"num_tokens must be a positive integer, got {num_tokens!r}")
     check_tensor_parallel(model, tp)
     cal = default_calibration()
-    return {op: float(_layer_op_time(op, model, num_tokens, tp, gpu, cal)) for op in LAYER_OPS}
+    return {op: float(layer_op_time(op, model, num_tokens, tp, gpu, cal)) for op in LAYER_OPS}
 
 
 def check_tensor_parallel(model: ModelConfig, tp: int) -> None:

@@ -40,6 +40,14 @@ class Proposer(ABC):
         # per draft forward of the last call: (new tokens, context after) of each sequence
         self.last_draft_shapes: list[list[tuple[int, int]]] = []
 
+    def input_for(self, request_id: str, num_tokens: int, num_prompt_tokens: int, params,
+                  token_ids: list[int] | None = None) -> ProposalInput:
+        """A sequence that has just sampled, with the guesses worth making for it:
+        at most k, never past ``max_tokens`` (``SamplingParams.max_proposals``)."""
+        cap = min(self.k, params.max_proposals(num_tokens - num_prompt_tokens))
+        return ProposalInput(request_id, num_tokens, num_prompt_tokens, cap,
+                             token_ids if token_ids is not None else [])
+
     @abstractmethod
     def propose(self, seqs: list[ProposalInput]) -> dict[str, list[int]]:
         """Request id -> its proposed tokens (at most ``num_proposals`` each)."""
