@@ -340,14 +340,16 @@ class Engine:
         self._release_arrivals()
         started = self.wall_now(), self.sim_now
         sched = self.scheduler.schedule(now=self.now())
+        scheduled = self.wall_now()
         if sched.is_empty:
             if sched.block_copies or sched.finished_request_ids:
                 self.runner.execute(sched)      # e.g. a lone request swapped itself out; state to drop
             self._wait_for_arrival()
             return []
         result = self.runner.execute(sched)
+        ran = self.wall_now()
         finished = self.scheduler.update_from_output(sched, result)
-        self._record(sched, result, started)
+        self._record(sched, result, started, (scheduled - started[0], self.wall_now() - ran))
         return finished
 
     def _wait_for_arrival(self) -> None:
@@ -360,8 +362,10 @@ class Engine:
         else:
             time.sleep(max(0.0, nxt - self.wall_now()))
 
-    def _record(self, sched: SchedulerOutput, result: RunnerOutput, started: tuple[float, float]) -> None:
-        """Append the step to the trace (and advance the simulated clock)."""
+    def _record(self, sched: SchedulerOutput, result: RunnerOutput, started: tuple[float, float],
+                phases: tuple[float, float]) -> None:
+        """Append the step to the trace (and advance the simulated clock);
+        ``phases``: the wall seconds of the scheduler's decision and update."""
         first_block = self.kv_cache.first_block
         lanes, useful, prefill, verified = [], 0, 0, []     # one pass: this runs every step
         for s in sched.scheduled:
@@ -390,7 +394,8 @@ class Engine:
             kv_reserved_bytes=self.kv_cache.reserved_bytes, kv_used_bytes=self.kv_cache.used_bytes,
             kv_capacity_bytes=self.kv_cache.capacity_bytes,
             wall_start=started[0], wall_end=self.wall_now(),
-            forward_s=result.forward_s, sample_s=result.sample_s,
+            schedule_s=phases[0], prepare_s=result.prepare_s, forward_s=result.forward_s,
+            sample_s=result.sample_s, update_s=phases[1],
             preempted=list(sched.preempted), swap_bytes=sched.swap_bytes,
             sim_start=sim_start, sim_end=sim_end,
             spec_proposed=sum(s.num_spec_tokens for s in verified), num_verifications=len(verified),

@@ -187,6 +187,7 @@ class RunnerOutput:
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    prepare_s: float = 0.0      # wall seconds building the step's inputs and attention metadata
     forward_s: float = 0.0      # wall seconds in the model forward
     sample_s: float = 0.0       # wall seconds in sampling (and the copy to host)
     draft_s: float = 0.0        # wall seconds in the proposer

@@ -13,6 +13,12 @@ Every step's wall time splits three ways (chapter 10, and the engine row of
   overhead of a step; at a large batch it is the share that grows with the
   number of requests and not with the model.
 
+At a small batch the split that matters is finer: :func:`step_anatomy` takes
+the decode steps of a trace apart into the phases the trace times (the
+scheduler's decision, building the inputs, the forward, sampling, the
+scheduler's update) and the rest (the engine's bookkeeping between them),
+and :func:`decode_anatomy` measures it at several batch sizes.
+
 Wall clock on a shared machine: shares move from run to run, so report them
 measured side by side, never as typed constants.
 """
@@ -21,6 +27,9 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Callable, Sequence
+
+from .sampling import SamplingParams
 
 
 @dataclass
@@ -121,3 +130,81 @@ def profile_run(engine) -> TimeShares:
     with timed_attention(engine) as spent:
         engine.run()
     return time_shares(engine.trace, spent["seconds"])
+
+
+PHASES = ("schedule", "prepare", "forward", "sample", "update", "rest")
+
+
+@dataclass(frozen=True)
+class StepAnatomy:
+    """Mean microseconds of each phase of a group of decode steps (``us``, keyed by
+    :data:`PHASES`); ``rest`` is the engine's bookkeeping: the runner's loops and
+    block copies, building the trace record, the gap to the next step."""
+    num_running: int
+    num_steps: int
+    us: dict[str, float]
+
+    @property
+    def step_us(self) -> float:
+        return sum(self.us.values())
+
+    @property
+    def host_us(self) -> float:
+        """Everything but the forward: the host's work around the model."""
+        return self.step_us - self.us["forward"]
+
+    def share(self, phase: str) -> float:
+        return self.us[phase] / self.step_us
+
+
+def step_anatomy(trace) -> dict[int, StepAnatomy]:
+    """The decode-only steps of ``trace``, grouped by the number of requests they
+    ran, taken apart into :data:`PHASES`. A step's whole cost runs from its start
+    to the next step's start (so the record it leaves behind counts); the last
+    step, which has no next, is left out."""
+    groups: dict[int, list[dict[str, float]]] = {}
+    steps = trace.steps
+    for st, nxt in zip(steps, steps[1:]):
+        if st.prefill_tokens or st.num_verifications or not st.num_scheduled:
+            continue
+        timed = {"schedule": st.schedule_s, "prepare": st.prepare_s, "forward": st.forward_s,
+                 "sample": st.sample_s, "update": st.update_s}
+        timed["rest"] = (nxt.wall_start - st.wall_start) - sum(timed.values())
+        groups.setdefault(st.num_scheduled, []).append(timed)
+    return {n: StepAnatomy(n, len(g), {p: sum(t[p] for t in g) / len(g) * 1e6 for p in PHASES})
+            for n, g in sorted(groups.items())}
+
+
+def decode_anatomy(make_engine: Callable[[int], object], batch_sizes: Sequence[int] = (1, 4, 16, 64),
+                   prompt_len: int = 32, decode_steps: int = 64, rounds: int = 3) -> dict[int, StepAnatomy]:
+    """:func:`step_anatomy` of steady decoding at each batch size: ``make_engine(b)``
+    gives an engine, which is sent ``b`` requests of ``prompt_len`` tokens
+    (greedy, no EOS) and run to the end: a prefill step, then ``decode_steps``
+    decode steps of all ``b`` that count, and a last one (no next step starts
+    after it, so it has no whole cost).
+    The sizes are measured in ``rounds`` alternating rounds and each phase keeps
+    its median over rounds, so a burst of load on a shared machine moves one
+    round, not the result."""
+    if not batch_sizes or min(batch_sizes) < 1:
+        raise ValueError(f"batch_sizes must be positive integers, got {batch_sizes!r}")
+    if rounds < 1 or prompt_len < 1 or decode_steps < 1:
+        raise ValueError(f"rounds, prompt_len and decode_steps must be >= 1, got {rounds}, {prompt_len}, "
+                         f"{decode_steps}")
+    params = SamplingParams(max_tokens=decode_steps + 2, ignore_eos=True, temperature=0.0)
+    prompt = [1 + i % 200 for i in range(prompt_len)]
+    measured: dict[int, list[StepAnatomy]] = {b: [] for b in batch_sizes}
+    for _ in range(rounds):
+        for b in batch_sizes:
+            engine = make_engine(b)
+            for _ in range(b):
+                engine.add_request(prompt, params)
+            engine.run()
+            full = step_anatomy(engine.trace).get(b)
+            if full is None:
+                raise ValueError(f"no decode step ran all {b} requests: is max_num_seqs below {b}?")
+            measured[b].append(full)
+    out = {}
+    for b, runs in measured.items():
+        mid = {p: sorted(r.us[p] for r in runs)[len(runs) // 2] for p in PHASES}
+        out[b] = StepAnatomy(b, sum(r.num_steps for r in runs), mid)
+    return out

@@ -37,8 +37,13 @@ class StepRecord:
     kv_capacity_bytes: int
     wall_start: float
     wall_end: float
-    forward_s: float = 0.0
-    sample_s: float = 0.0
+    # where the wall time went (all inside wall_start..wall_end; the rest is the
+    # engine's bookkeeping: block copies, the runner's loops, building the record)
+    schedule_s: float = 0.0     # the scheduler's decision
+    prepare_s: float = 0.0      # the runner building inputs and attention metadata
+    forward_s: float = 0.0      # the model's forward
+    sample_s: float = 0.0       # sampling (and the copy of the tokens to the host)
+    update_s: float = 0.0       # the scheduler taking in the sampled tokens
     sim_start: float | None = None
     sim_end: float | None = None
     preempted: list = field(default_factory=list)   # Preemption(request_id, mode, num_bytes)

@@ -20,7 +20,6 @@ COLORS = {
     "idle": "#EEEEEE",         # light grey: a KV row or block with nothing in it
     "useful": "#55A868",
     "wasted": "#C44E52",
-    "reserved": "#CCB974",     # sand: memory reserved but empty
     "static": "#8172B2",       # purple: static batching
     "continuous": "#DD8452",   # orange: iteration-level (continuous) batching
     "paged": "#64B5CD",        # cyan: paged KV cache
@@ -39,6 +38,13 @@ COLORS = {
     "off": "#8C8C8C",          # grey: no speculative decoding
     "ngram": "#DA8BC3",        # pink: n-gram (prompt lookup) proposals
     "draft model": "#937860",  # brown: draft-model proposals
+    # the phases of a step (profiling.PHASES): the model's forward, and the host around it
+    "forward": "#4C72B0",      # blue: the model
+    "schedule": "#DD8452",
+    "prepare": "#CCB974",
+    "sample": "#C44E52",
+    "update": "#8172B2",
+    "rest": "#8C8C8C",
 }
 LANE_KINDS = ("idle", "prefill", "decode", "pad")
 
@@ -398,4 +404,30 @@ def load_curves(curves: Mapping[str, Sequence[Mapping]], slo_ms: Mapping[str, fl
     axes[0].legend(fontsize=8)
     if title:
         fig.suptitle(title)
+    return fig
+
+
+def shares(groups: Mapping[str, Mapping[str, float]], xlabel: str = "share of the step", ax=None,
+           title: str | None = None, figsize=(6, 2.8)):
+    """One horizontal bar per group (``groups[label][part]``: a time, in any unit),
+    its parts stacked as shares of the group's total, each labelled with its
+    share where it is wide enough."""
+    fig, ax = _axes(ax, figsize)
+    labels = list(groups)
+    parts = list(dict.fromkeys(p for g in groups.values() for p in g))
+    left = np.zeros(len(labels))
+    for part in parts:
+        widths = np.array([groups[g].get(part, 0.0) / sum(groups[g].values()) for g in labels])
+        ax.barh(labels, widths, left=left, label=part, color=COLORS.get(part))
+        for y, (x0, w) in enumerate(zip(left, widths)):
+            if w >= 0.06:
+                ax.text(x0 + w / 2, y, f"{w:.0%}", ha="center", va="center", fontsize=8, color="white")
+        left += widths
+    ax.set_xlim(0, 1)
+    ax.invert_yaxis()
+    ax.grid(False)
+    ax.set_xlabel(xlabel)
+    ax.legend(ncol=len(parts), loc="upper center", bbox_to_anchor=(0.5, -0.3), fontsize=8)
+    if title:
+        ax.set_title(title)
     return fig

@@ -152,7 +152,8 @@ class ModelRunner(Runner):
                                      [s.block_table for s in s_all])
         else:
             input_ids, positions, meta = self.prepare_inputs(sched)
-            t0 = time.perf_counter()
+            out.prepare_s = time.perf_counter() - t0
+            t0 += out.prepare_s
             logits = self.model(input_ids, positions, meta, self.kv_pool)
         self._sync()
         t1 = time.perf_counter()
@@ -239,5 +240,5 @@ class ModelRunner(Runner):
         p = s.sampling_params
         if p.greedy:
             return verify_greedy(torch.argmax(logits, dim=-1).tolist(), s.spec_token_ids)
-        probs = torch.stack([sampling_probs(row, p) for row in logits])
+        probs = sampling_probs(logits, [p] * logits.shape[0])
         return rejection_sample(probs, s.spec_token_ids, generator=self._generator(s.request_id, p))

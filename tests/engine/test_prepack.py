@@ -11,7 +11,7 @@ from minibatch_engine import Engine, SamplingParams
 from minibatch_engine.kv.pool import KVPool
 from minibatch_engine.model import build_model
 from minibatch_engine.runner import prepack
-from minibatch_engine.runner.prepack import (num_packed_layers, packing_pays, prepack_available,
+from minibatch_engine.runner.prepack import (num_packed_layers, packed_from_rows, packing_rows, prepack_available,
                                              prepack_linear_weights, unpack_linear_weights)
 
 needs_onednn = pytest.mark.skipif(not prepack_available(), reason="no oneDNN in this torch build")
@@ -66,26 +66,56 @@ def test_engine_tokens_are_the_same_with_and_without_packing():
 
 @needs_onednn
 def test_packing_only_where_it_measures_faster(monkeypatch):
-    """By default the model's layers are packed only if packing measured faster for
-    the model as a whole; each weight shape is timed once and remembered."""
+    """By default the model's layers are packed from the smallest row count at
+    which packing measured faster for the model as a whole, at that count and
+    every larger one; each weight shape is timed once and remembered."""
     monkeypatch.setattr(prepack, "_TIMES", {})
     threads = torch.get_num_threads()
     wide, narrow = nn.Linear(64, 96), nn.Linear(32, 16)
     model = nn.Sequential(wide, narrow, nn.Linear(64, 96))          # two layers of one shape
-    plain, packed = prepack.linear_times(wide)
-    assert plain > 0 and packed > 0 and list(prepack._TIMES) == [(64, 96, torch.float32, threads)]
-    assert prepack.linear_times(nn.Linear(64, 96)) == (plain, packed)      # remembered, not re-timed
-    prepack._TIMES[(64, 96, torch.float32, threads)] = (1.0, 0.5)          # pretend: packing wins here,
-    prepack._TIMES[(32, 16, torch.float32, threads)] = (1.0, 2.5)          # loses more here: 3.0 vs 3.5
-    assert not packing_pays(model) and prepack_linear_weights(model) == 0
-    prepack._TIMES[(32, 16, torch.float32, threads)] = (1.0, 1.9)          # now 3.0 vs 2.9: not by 5%
-    assert not packing_pays(model)
-    prepack._TIMES[(32, 16, torch.float32, threads)] = (1.0, 1.0)          # 3.0 vs 2.0: packs all
-    assert packing_pays(model) and prepack_linear_weights(model) == 3 == num_packed_layers(model)
+    times = prepack.linear_times(wide)
+    assert sorted(times) == list(prepack.ROWS) and all(a > 0 and b > 0 for a, b in times.values())
+    assert list(prepack._TIMES) == [(64, 96, torch.float32, threads)]
+    assert prepack.linear_times(nn.Linear(64, 96)) == times                # remembered, not re-timed
+
+    def pretend(wide_packed, narrow_packed):       # packed seconds per row count; plain is 1.0
+        prepack._TIMES[(64, 96, torch.float32, threads)] = {m: (1.0, wide_packed[m]) for m in prepack.ROWS}
+        prepack._TIMES[(32, 16, torch.float32, threads)] = {m: (1.0, narrow_packed[m]) for m in prepack.ROWS}
+    same = lambda v: {m: v for m in prepack.ROWS}  # noqa: E731
+    pretend(same(0.5), same(2.5))                  # wins on two layers, loses more on one: 3.0 vs 3.5
+    assert packing_rows(model) is None and prepack_linear_weights(model) == 0
+    pretend(same(0.5), same(1.9))                  # 3.0 vs 2.9: not by 5%
+    assert packing_rows(model) is None
+    slow_single_row = {1: 1.7, 2: 0.9, 4: 0.8, 16: 0.8, 64: 0.9}
+    pretend(slow_single_row, slow_single_row)      # this machine's shape: loses at 1 row only
+    assert packing_rows(model) == 2
+    pretend({**slow_single_row, 4: 0.97}, {**slow_single_row, 4: 0.97})    # under 5% at 4, not slower
+    assert packing_rows(model) == 2
+    pretend(slow_single_row, slow_single_row)
+    assert prepack_linear_weights(model) == 3 == num_packed_layers(model) and packed_from_rows(model) == 2
     unpack_linear_weights(model)
-    assert num_packed_layers(model) == 0
+    pretend({**slow_single_row, 4: 1.2}, slow_single_row)     # 3.2 vs 3.0 at 4 rows: from 16 on
+    assert packing_rows(model) == 16
+    assert num_packed_layers(model) == 0 and packed_from_rows(model) is None
     assert prepack_linear_weights(model.double(), only_where_faster=False) == 3     # forced: every layer
-    assert not packing_pays(model)                      # float64: never (oneDNN has no float64 kernels)
+    assert packed_from_rows(model) == 1
+    assert packing_rows(model) is None                 # float64: never (oneDNN has no float64 kernels)
+
+
+@needs_onednn
+def test_a_step_below_the_packing_rows_takes_the_plain_path(monkeypatch):
+    layer = nn.Linear(32, 48)
+    assert prepack_linear_weights(layer, only_where_faster=False) == 1
+    layer.packed_from_rows = 4
+    calls = []
+    real = torch.ops.mkldnn._linear_pointwise
+    monkeypatch.setattr(prepack.torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or real(*a),
+                        raising=False)
+    with torch.no_grad():
+        for rows in (1, 3, 4, 9):
+            x = torch.randn(rows, 32)
+            torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    assert len(calls) == 2                            # the 4- and 9-row inputs
 
 
 def test_large_pools_are_zero_and_writable():

@@ -8,7 +8,8 @@ import math
 import pytest
 
 from minibatch_engine import Engine, EngineConfig, SamplingParams
-from minibatch_engine.profiling import profile_run, time_shares, timed_attention
+from minibatch_engine.profiling import (PHASES, decode_anatomy, profile_run, step_anatomy, time_shares,
+                                       timed_attention)
 from minibatch_engine.trace import Trace
 from minibatch_engine.vs_transformers import format_comparison
 
@@ -101,3 +102,42 @@ def test_decode_fast_paths_keep_the_bookkeeping_exact(tiny32):
     eng.run()
     m.check_invariants()
     assert m.num_used_blocks == 0
+
+
+def test_a_steps_phases_fit_inside_it_and_the_anatomy_adds_up(tiny32):
+    eng = _engine(tiny32)
+    eng.run()
+    for st in eng.trace.steps:
+        phases = (st.schedule_s, st.prepare_s, st.forward_s, st.sample_s, st.update_s)
+        assert min(phases) >= 0 and st.forward_s > 0 and st.prepare_s > 0
+        assert sum(phases) <= st.wall_dt
+    anatomy = step_anatomy(eng.trace)
+    steps = eng.trace.steps
+    decodes = [k for k, st in enumerate(steps[:-1]) if st.prefill_tokens == 0]
+    assert sum(a.num_steps for a in anatomy.values()) == len(decodes) > 0
+    for n, a in anatomy.items():
+        mine = [k for k in decodes if steps[k].num_scheduled == n]
+        start_to_start = sum(steps[k + 1].wall_start - steps[k].wall_start for k in mine) / len(mine)
+        assert a.num_running == n and math.isclose(a.step_us, start_to_start * 1e6)
+        assert set(a.us) == set(PHASES) and a.us["rest"] > 0
+        assert math.isclose(a.host_us + a.us["forward"], a.step_us)
+        assert math.isclose(sum(a.share(p) for p in PHASES), 1.0)
+
+
+def test_decode_anatomy_runs_each_batch_size_and_says_what_is_wrong(tiny32):
+    made = []
+
+    def make(b):
+        made.append(b)
+        return Engine(tiny32, EngineConfig(max_num_seqs=b, max_model_len=64))
+    out = decode_anatomy(make, batch_sizes=(1, 3), prompt_len=5, decode_steps=4, rounds=2)
+    assert made == [1, 3, 1, 3]                           # alternating rounds
+    assert list(out) == [1, 3] and all(a.num_steps == 2 * 4 for a in out.values())
+    assert all(a.num_running == b and a.step_us > a.us["forward"] > 0 for b, a in out.items())
+    with pytest.raises(ValueError, match="is max_num_seqs below 3"):
+        decode_anatomy(lambda b: Engine(tiny32, EngineConfig(max_num_seqs=2, max_model_len=64)),
+                       batch_sizes=(3,), decode_steps=4, rounds=1)
+    with pytest.raises(ValueError, match="batch_sizes"):
+        decode_anatomy(make, batch_sizes=(0,))
+    with pytest.raises(ValueError, match="decode_steps"):
+        decode_anatomy(make, decode_steps=0)

@@ -7,6 +7,7 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
 from minibatch_engine import (AsyncLLM, Engine, LLM, SamplingParams, SpeculativeConfig,
                               reference_generate)
@@ -57,13 +58,12 @@ def test_seeds_a_generator_cannot_take_are_refused_up_front(kwargs):
 
 
 def _fail_sampling_of(monkeypatch, top_k: int):
-    """Make sampling raise for requests with this top_k (a stand-in for any failure)."""
+    """Make the distributions of requests with this top_k NaN (what non-finite logits give)."""
     real = sampling_module.sampling_probs
 
-    def probs(logits, p):
-        if p.top_k == top_k:
-            raise RuntimeError("probability tensor contains either inf, nan or element < 0")
-        return real(logits, p)
+    def probs(logits, params):
+        bad = torch.tensor([p.top_k == top_k for p in params])
+        return real(logits, params).masked_fill(bad[:, None], float("nan"))
     monkeypatch.setattr(sampling_module, "sampling_probs", probs)
 
 
@@ -360,10 +360,10 @@ def test_a_failing_verification_ends_its_request_not_the_batch(tiny64, monkeypat
     from minibatch_engine.runner import model_runner
     real = model_runner.sampling_probs
 
-    def probs(logits, p):
-        if p.top_k == 7:
+    def probs(logits, params):
+        if any(p.top_k == 7 for p in params):
             raise RuntimeError("probability tensor contains either inf, nan or element < 0")
-        return real(logits, p)
+        return real(logits, params)
     monkeypatch.setattr(model_runner, "sampling_probs", probs)      # fails inside verification only
     spec = SpeculativeConfig("ngram", 2, prompt_lookup_min=1, prompt_lookup_max=2)
     llm = LLM(tiny64, max_num_seqs=4, speculative=spec)

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from minibatch_engine import LLM, Engine, SamplingParams
-from minibatch_engine.sampling import filter_logits
+from minibatch_engine.sampling import PREFIX, filter_logits, sample, sampling_probs
 
 
 @pytest.mark.parametrize("kwargs, field", [
@@ -55,3 +55,74 @@ def test_stop_tokens_and_eos(tiny64):
     b = eos.add_request(list(b"stop here"), SamplingParams(max_tokens=10, ignore_eos=True))
     eos.run()
     assert a.finish_reason == "stop" and b.finish_reason == "length" and len(b.output_token_ids) == 10
+
+
+def _row_reference(logits, p):
+    """One row the slow way: divide, mask by a full sort, softmax."""
+    x = logits.double() / p.temperature
+    if p.top_k and p.top_k < x.numel():
+        x = x.masked_fill(x < torch.sort(x, descending=True).values[p.top_k - 1], float("-inf"))
+    if p.top_p < 1.0:
+        sorted_x, order = torch.sort(x, descending=True)
+        probs = torch.softmax(sorted_x, -1)
+        drop = probs.cumsum(-1) - probs >= p.top_p
+        drop[0] = False
+        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    return torch.softmax(x, -1)
+
+
+def test_the_batched_distributions_equal_each_row_alone():
+    """Mixed parameters in one batch, including flat rows whose nucleus lies past
+    the first prefix of 64 tokens (the prefix widens) and a top-p that keeps
+    the most likely token only."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 1000, generator=gen) * torch.tensor([[3.0], [0.05], [1.0], [0.01], [2.0], [1.0]])
+    params = [SamplingParams(temperature=0.7), SamplingParams(temperature=1.0, top_p=0.9),
+              SamplingParams(temperature=1.3, top_k=20), SamplingParams(temperature=0.9, top_p=0.999),
+              SamplingParams(temperature=1.0, top_k=300, top_p=0.8), SamplingParams(temperature=1.0, top_p=1e-9)]
+    got = sampling_probs(logits, params)
+    for row, p in enumerate(params):
+        want = _row_reference(logits[row], p)
+        assert torch.equal(got[row] > 0, want > 0), f"row {row}: different tokens kept"
+        torch.testing.assert_close(got[row].double(), want, rtol=1e-5, atol=1e-7)
+    assert (got[5] > 0).sum() == 1 and (got[3] > 0).sum() > 300    # past the 300-token prefix
+    # top-p alone: a peaked row's nucleus lies in the first PREFIX tokens, a flat row's does not
+    only_p = [SamplingParams(temperature=1.0, top_p=0.9), SamplingParams(temperature=1.0, top_p=0.95)]
+    rows = torch.stack([logits[0] * 4, logits[1]])
+    got = sampling_probs(rows, only_p)
+    for row, p in enumerate(only_p):
+        want = _row_reference(rows[row], p)
+        assert torch.equal(got[row] > 0, want > 0), f"row {row}: different tokens kept"
+        torch.testing.assert_close(got[row].double(), want, rtol=1e-5, atol=1e-7)
+    assert (got[0] > 0).sum() < PREFIX < (got[1] > 0).sum()
+
+
+def test_draws_follow_the_distribution_and_seeds_ignore_the_batch():
+    torch.manual_seed(0)
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05, 0.0]]))
+    hot = SamplingParams(temperature=1.0)
+    draws = sample(logits.repeat(20000, 1), [hot] * 20000, [None] * 20000)
+    freq = torch.bincount(draws, minlength=5).double() / 20000
+    torch.testing.assert_close(freq, torch.tensor([0.5, 0.3, 0.15, 0.05, 0.0], dtype=torch.double), atol=0.015, rtol=0)
+    assert freq[4] == 0                                   # a token of probability 0 is never drawn
+    seeded = SamplingParams(temperature=1.0, seed=11)
+    mixed = torch.randn(5, 5)
+    mixed[2] = logits[0]
+    alone = [sample(logits, [seeded], [torch.Generator().manual_seed(11)]).item() for _ in range(2)]
+    batch = sample(mixed, [SamplingParams(), hot, seeded, hot, SamplingParams(temperature=0.5, seed=3)],
+                   [None, None, torch.Generator().manual_seed(11), None, torch.Generator().manual_seed(3)])
+    assert batch[2].item() == alone[0] == alone[1]
+    assert batch[0].item() == int(torch.argmax(mixed[0]))    # greedy rows: argmax
+
+
+def test_a_row_of_nan_logits_fails_alone():
+    logits = torch.randn(3, 8)
+    logits[1] = float("nan")
+    params = [SamplingParams(temperature=1.0)] * 3
+    errors = {}
+    tokens = sample(logits, params, [None] * 3, errors)
+    assert list(errors) == [1] and "not finite" in errors[1] and tokens.shape == (3,)
+    with pytest.raises(RuntimeError, match="not finite"):
+        sample(logits, params, [None] * 3)
+    with pytest.raises(ValueError, match="3 rows of logits for 2"):
+        sampling_probs(logits, params[:2])
