@@ -92,7 +92,7 @@ class SamplingParams:
 
 
 def filter_logits(logits: torch.Tensor, top_k, top_p) -> torch.Tensor:
-    """Mask logits outside the top-k and the top-p nucleus with -inf.
+    """Mask logits outside the top-k and the top-p nucleus with -inf (a new tensor).
 
     ``logits``: one row ``[vocab]`` or a batch ``[S, vocab]``; ``top_k`` and
     ``top_p``: one value for every row, or one per row (top_k 0: no top-k;
@@ -108,39 +108,62 @@ def filter_logits(logits: torch.Tensor, top_k, top_p) -> torch.Tensor:
     are sorted whole. The result is the full sort's (to float rounding at the
     nucleus's edge, in the rows that did not need one)."""
     one_row = logits.dim() == 1
-    x = logits[None] if one_row else logits
-    rows, vocab = x.shape
+    x = (logits[None] if one_row else logits).clone()
+    rows = x.shape[0]
     ks = [top_k] * rows if isinstance(top_k, int) else list(top_k)
     ps = [float(top_p)] * rows if isinstance(top_p, (int, float)) else [float(p) for p in top_p]
+    _filter_(x, ks, ps)
+    return x[0] if one_row else x
+
+
+def _put_rows(x: torch.Tensor, rows: torch.Tensor, order: torch.Tensor, values: torch.Tensor) -> None:
+    """``x[rows[i], order[i, j]] = values[i, j]``, in place, touching only those entries."""
+    flat = (rows[:, None] * x.shape[1] + order).reshape(-1)
+    x.view(-1)[flat] = values.reshape(-1)
+
+
+def _filter_(x: torch.Tensor, ks: list[int], ps: list[float]) -> None:
+    """:func:`filter_logits` in place on ``x`` ``[S, vocab]`` (contiguous), with a
+    few passes over the whole vocabulary: the rest works on the prefixes."""
+    rows, vocab = x.shape
     ks = [k if 0 < k < vocab else 0 for k in ks]
     top = order = None                                  # the largest logits, largest first
     if any(ks):
         k = torch.tensor(ks, device=x.device)
         top, order = torch.topk(x, max(ks), dim=-1)
-        kth = top.gather(1, (k - 1).clamp(min=0)[:, None]).masked_fill((k == 0)[:, None], float("-inf"))
-        x = x.masked_fill(x < kth, float("-inf"))
-        top = top.masked_fill(top < kth, float("-inf"))
-    if any(p < 1.0 for p in ps):
-        p = torch.tensor(ps, device=x.device, dtype=x.dtype)[:, None]
-        if top is None:                                 # no top-k: the first few dozen
-            top, order = torch.topk(x, min(vocab, PREFIX), dim=-1)
-        full = None if all(ks) else torch.softmax(x, dim=-1)    # None: the top-k prefix holds every token
-        probs = torch.softmax(top, dim=-1) if full is None else full.gather(1, order)
-        before = probs.cumsum(-1) - probs                       # the mass of the larger tokens
-        drop = (before >= p) & (p < 1.0)                        # keep the token that crosses p
+        kth = top.gather(1, (k - 1).clamp(min=0)[:, None]).masked_fill_((k == 0)[:, None], float("-inf"))
+        x.masked_fill_(x < kth, float("-inf"))
+        top.masked_fill_(top < kth, float("-inf"))
+    if not any(p < 1.0 for p in ps):
+        return
+    p = torch.tensor(ps, device=x.device, dtype=x.dtype)[:, None]
+    if top is None:                                     # no top-k: the first few dozen
+        top, order = torch.topk(x, min(vocab, PREFIX), dim=-1)
+    if all(ks):                                         # the top-k prefix holds every token left
+        probs = torch.softmax(top, dim=-1)
+    else:
+        probs = torch.softmax(x, dim=-1).gather(1, order)
+    before = probs.cumsum(-1) - probs                   # the mass of the larger tokens
+    drop = (before >= p) & (p < 1.0)                    # keep the token that crosses p
+    drop[:, 0] = False
+    every = torch.arange(rows, device=x.device)
+    if all(ks):                                         # outside the prefix all is -inf already
+        _put_rows(x, every, order, top.masked_fill_(drop, float("-inf")))
+        return
+    nucleus = p[:, 0] < 1.0
+    short = nucleus & (before[:, -1] + probs[:, -1] < p[:, 0])   # a nucleus wider than the prefix
+    inside = (nucleus & ~short).nonzero()[:, 0]
+    if len(inside):                                     # the nucleus is in the prefix: the rest goes
+        kept = top[inside].masked_fill_(drop[inside], float("-inf"))
+        x.index_fill_(0, inside, float("-inf"))
+        _put_rows(x, inside, order[inside], kept)
+    wide = short.nonzero()[:, 0]
+    if len(wide):                                       # those rows sorted whole
+        ranked, order = torch.sort(x[wide], dim=-1, descending=True)
+        probs = torch.softmax(ranked, dim=-1)
+        drop = probs.cumsum(-1) - probs >= p[wide]
         drop[:, 0] = False
-        keep = torch.zeros_like(x, dtype=torch.bool).scatter(1, order, ~drop)
-        short = ((before[:, -1:] + probs[:, -1:] < p) & (p < 1.0))[:, 0]
-        if full is not None and top.shape[1] < vocab and bool(short.any()):
-            # a nucleus wider than the prefix: sort those rows whole
-            rows_ = short.nonzero()[:, 0]
-            ranked, order = torch.sort(x[rows_], dim=-1, descending=True)
-            probs = torch.softmax(ranked, dim=-1)
-            drop = probs.cumsum(-1) - probs >= p[rows_]
-            drop[:, 0] = False
-            keep[rows_] = torch.zeros_like(drop).scatter(1, order, ~drop)
-        x = x.masked_fill(~keep & (p < 1.0), float("-inf"))
-    return x[0] if one_row else x
+        _put_rows(x, wide, order, ranked.masked_fill_(drop, float("-inf")))
 
 
 def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -156,7 +179,8 @@ def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
         x = logits.float() / torch.tensor(temperatures, device=logits.device)[:, None]
     top_k, top_p = [p.top_k for p in params], [p.top_p for p in params]
     if any(top_k) or min(top_p) < 1.0:
-        x = filter_logits(x, top_k, top_p)
+        x = x.contiguous()                  # the division's own tensor: filtered in place
+        _filter_(x, top_k, top_p)
     return torch.softmax(x, dim=-1)
 
 
@@ -167,9 +191,9 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
 
     A sampled row draws by inverting its cumulative distribution at a uniform
     number in [0, 1): one number from the row's generator (seeded rows) or from
-    torch's global one, then one ``searchsorted`` for the batch. (The number
-    times the row's total is below the total, so the token found always has a
-    probability above zero.)
+    torch's global one, then one ``searchsorted`` for the batch. (The number,
+    at most 1 - 2**-24, times the row's total rounds below the total, so the
+    token found always has a probability above zero.)
 
     With ``errors`` (a dict), a row whose probabilities are not a distribution
     (say, NaN from non-finite logits) is recorded there, row -> message,
@@ -179,8 +203,7 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
     tokens = None if every_row else torch.argmax(logits, dim=-1)
     if not rows:
         return tokens
-    cdf = sampling_probs(logits if every_row else logits[rows], [params[i] for i in rows]) \
-        .double().cumsum_(-1)
+    cdf = sampling_probs(logits if every_row else logits[rows], [params[i] for i in rows]).cumsum_(-1)
     total = cdf[:, -1]
     valid = (torch.isfinite(total) & (total > 0)).tolist()      # NaN and inf reach the total
     uniforms, unseeded = [], []
@@ -197,16 +220,16 @@ def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
             uniforms.append(None)
             unseeded.append(j)
         else:
-            uniforms.append(torch.rand(1, dtype=torch.float64, generator=gen, device=gen.device))
+            uniforms.append(torch.rand(1, generator=gen, device=gen.device))
     if unseeded:                        # one call for all of them
-        fresh = torch.rand(len(unseeded), dtype=torch.float64, device=logits.device)
+        fresh = torch.rand(len(unseeded), device=logits.device)
         if len(unseeded) == len(rows):
             uniforms = [fresh]
         else:
             for n, j in enumerate(unseeded):
                 uniforms[j] = fresh[n:n + 1]
     u = uniforms[0] if len(uniforms) == 1 else torch.cat(uniforms)
-    drawn = torch.searchsorted(cdf, (u.to(cdf.device) * total)[:, None], right=True)[:, 0]
+    drawn = torch.searchsorted(cdf, (u.to(cdf.device, cdf.dtype) * total)[:, None], right=True)[:, 0]
     if every_row:
         return drawn
     tokens[torch.tensor(rows, device=logits.device)] = drawn
