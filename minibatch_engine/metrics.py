@@ -27,6 +27,10 @@ Over a run of ``duration`` seconds (first arrival -> last token):
 In engine steps (this book's third clock), an event in step ``k`` of a request
 that arrived before step ``a`` counts ``k - a + 1`` steps (the steps it lived
 through).
+
+What preemption by recompute costs in work (:func:`recompute_work`, chapters 6
+and 7): the KV a preemption *discards* is not all computed again, since the prefix
+cache can still hold the victim's freed full blocks when it returns.
 """
 from __future__ import annotations
 
@@ -236,3 +240,45 @@ def serving_metrics(timings: Sequence[RequestTiming], duration: float | None = N
         s["good_requests"] = good
         s["goodput"] = per(good)
     return s
+
+
+@dataclass(frozen=True)
+class RecomputeWork:
+    """What preemption by recompute cost a run, in tokens.
+
+    * ``discarded``: tokens whose K/V recompute preemptions threw away
+      (``Request.num_recomputed_tokens``);
+    * ``cache_hits``: tokens the prefix cache supplied at admission
+      (``Request.num_cached_tokens``), mostly a victim's own freed blocks found
+      again when it returns;
+    * ``needed``: tokens a run computes with no preemption and no prefix cache,
+      ``prompt + output - 1`` per request (the last sampled token is never fed back);
+    * ``recomputed = discarded - cache_hits``: tokens computed beyond ``needed``.
+
+    ``needed + recomputed`` is what the run scheduled (its trace's
+    ``useful_tokens``) for requests that ran to the end without speculative tokens.
+    When prompts share prefixes, the hits of first admissions count too, and
+    ``recomputed`` is the run's work beyond a run without preemption and without
+    a prefix cache (it can then be negative)."""
+    discarded: int
+    cache_hits: int
+    needed: int
+
+    @property
+    def recomputed(self) -> int:
+        return self.discarded - self.cache_hits
+
+    @property
+    def share(self) -> float:
+        """``recomputed / needed``: the extra work, as a share of the run's own."""
+        return self.recomputed / self.needed if self.needed else float("nan")
+
+
+def recompute_work(requests: Iterable[Request]) -> RecomputeWork:
+    """:class:`RecomputeWork` of finished requests (one sequence each)."""
+    requests = list(requests)
+    return RecomputeWork(
+        discarded=sum(r.num_recomputed_tokens for r in requests),
+        cache_hits=sum(r.num_cached_tokens for r in requests),
+        needed=sum(r.num_prompt_tokens + r.num_output_tokens - 1
+                   for r in requests if r.num_output_tokens))
