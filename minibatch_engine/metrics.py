@@ -22,7 +22,9 @@ Over a run of ``duration`` seconds (first arrival -> last token):
 * **output throughput** = output tokens / duration;
 * **goodput** = requests that met *every* SLO given (TTFT, TPOT, E2EL, each
   ``<=`` its bound in ms) / duration: the rate of requests a user was happy
-  with, the number DistServe (Zhong et al., 2024) optimises and vLLM reports.
+  with, as vLLM's benchmark reports it. (DistServe, Zhong et al., 2024, uses
+  the word for the highest request rate at which a target share of requests
+  meets its SLOs: see ``sweep.distserve_goodput``.)
 
 In engine steps (this book's third clock), an event in step ``k`` of a request
 that arrived before step ``a`` counts ``k - a + 1`` steps (the steps it lived
