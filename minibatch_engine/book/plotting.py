@@ -71,26 +71,65 @@ def _axes(ax, figsize):
     return ax.figure, ax
 
 
-def timeline(trace, ax=None, title: str | None = None, max_steps: int | None = None,
-             figsize=(8, 3)):
-    """Gantt-like view of KV rows or first blocks (y) over steps (x): what each
-    computed in each step: prefill, decode, padding, or nothing."""
-    steps = trace.steps[:max_steps] if max_steps else trace.steps
+def _lane_rows(steps):
+    """Each lane's row: its request's KV row or first block. A request that
+    finishes in a step has given its memory back by the time the step is
+    recorded (first block -1), so it keeps the row it last had."""
     places = sorted({lane.first_block for s in steps for lane in s.lanes if lane.first_block >= 0})
     row = {b: i for i, b in enumerate(places)}
-    grid = np.zeros((max(len(places), 1), max(len(steps), 1)), dtype=int)
-    for j, s in enumerate(steps):
+    last: dict[str, int] = {}
+    rows = []
+    for s in steps:
         for lane in s.lanes:
             if lane.first_block >= 0:
+                last[lane.request_id] = row[lane.first_block]
+        rows.append([last.get(lane.request_id, -1) for lane in s.lanes])
+    return max(len(places), 1), rows
+
+
+def timeline(trace, ax=None, title: str | None = None, max_steps: int | None = None,
+             figsize=(8, 3), x: str = "steps"):
+    """Gantt-like view of KV rows or first blocks (y) over steps (x): what each
+    computed in each step: prefill, decode, padding, or nothing.
+
+    ``x="steps"``: one column per step. ``x="tokens"``: each step as wide as its
+    widest lane in tokens, so a padded prefill shows at its width (the longest
+    prompt, the left padding first) and a decode step one token wide; every
+    cell is then one token row computed, and the red area's share of the
+    coloured area is the padding's share, 1 - eta."""
+    if x not in ("steps", "tokens"):
+        raise ValueError(f"x must be 'steps' or 'tokens', got {x!r}")
+    steps = trace.steps[:max_steps] if max_steps else trace.steps
+    n_rows, lane_rows = _lane_rows(steps)
+    widths = []
+    for s, rows in zip(steps, lane_rows):
+        per_row: dict[int, int] = {}
+        for lane, r in zip(s.lanes, rows):
+            per_row[r] = per_row.get(r, 0) + lane.num_tokens
+        widths.append(max(per_row.values(), default=1) if x == "tokens" else 1)
+    grid = np.zeros((n_rows, max(sum(widths), 1)), dtype=int)
+    left = 0
+    for s, rows, w in zip(steps, lane_rows, widths):
+        if x == "steps":
+            for lane, r in zip(s.lanes, rows):
                 # a prefill lane that also carries pad tokens shows as prefill
-                r = row[lane.first_block]
-                if grid[r, j] == 0 or lane.kind != "pad":
-                    grid[r, j] = LANE_KINDS.index(lane.kind)
+                if r >= 0 and (grid[r, left] == 0 or lane.kind != "pad"):
+                    grid[r, left] = LANE_KINDS.index(lane.kind)
+        else:
+            filled: dict[int, int] = {}
+            # left padding first, then the lane's own tokens
+            for lane, r in sorted(zip(s.lanes, rows), key=lambda lr: lr[0].kind != "pad"):
+                if r >= 0:
+                    a = left + filled.get(r, 0)
+                    grid[r, a:a + lane.num_tokens] = LANE_KINDS.index(lane.kind)
+                    filled[r] = filled.get(r, 0) + lane.num_tokens
+        left += w
     fig, ax = _axes(ax, figsize)
     cmap = ListedColormap([COLORS[k] for k in LANE_KINDS])
     ax.imshow(grid, aspect="auto", interpolation="nearest", cmap=cmap, vmin=0, vmax=len(LANE_KINDS) - 1,
               extent=(-0.5, grid.shape[1] - 0.5, grid.shape[0] - 0.5, -0.5))
-    ax.set_xlabel("engine step")
+    ax.set_xlabel("engine step" if x == "steps" else
+                  "token rows computed (a step as wide as its longest lane)")
     ax.set_ylabel("KV row / first block")
     ax.grid(False)
     ax.legend(handles=[Patch(color=COLORS[k], label=k) for k in LANE_KINDS[1:]],
@@ -276,11 +315,16 @@ def block_tables(manager, request_ids: Sequence[str], labels: Sequence[str] | No
 
 def itl_timeline(series: Mapping[str, tuple[Sequence[float], Sequence[float]]], xlabel: str,
                  ylabel: str, ax=None, title: str | None = None, figsize=(7, 3.2)):
-    """Inter-token gaps against time: for each label, (token times, gaps). A
-    prefill that stalls the batch shows as a spike."""
+    """Inter-token gaps against time: for each label, (token times, gaps), one
+    stem per token (not a line: a gap belongs to one token, and a line between
+    two tokens would draw a single stall as a ramp). A prefill that stalls the
+    batch shows as one tall stem."""
     fig, ax = _axes(ax, figsize)
     for label, (t, gaps) in series.items():
-        ax.plot(t, gaps, marker=".", ms=3, lw=1, label=label, color=COLORS.get(label))
+        color = COLORS.get(label)
+        ax.vlines(t, 0, gaps, lw=0.8, color=color, alpha=0.6)
+        ax.plot(t, gaps, ls="none", marker="o", ms=2.5, label=label, color=color)
+    ax.set_ylim(bottom=0)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.legend()
