@@ -14,7 +14,7 @@ TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 STAMP   := $(VENV)/.installed
 LAB_STAMP := $(VENV)/.lab-installed
-NOTEBOOKS := $(sort $(wildcard chapters/[0-9]*.ipynb)) book/simulator_validation.ipynb
+NOTEBOOKS := $(sort $(wildcard chapters/[0-9]*.ipynb)) book/simulator_validation.ipynb book/appendix_cpu_kernels.ipynb
 JB      := $(VENV)/bin/jupyter-book
 SANITIZE := tests/nbval_sanitize.cfg
 # JupyterLab refuses to start as root (containers, cloud boxes) without this.

@@ -3,15 +3,23 @@
 Every step's wall time splits three ways (chapter 10, and the engine row of
 ``bench --vs-transformers``):
 
-* **attention**: the time inside the attention backend's ``forward`` calls,
-  timed from the inside while the run lasts (:func:`timed_attention`);
+* **attention**: what the attention backend does in the step, wherever it does
+  it: its ``build_metadata`` (once per step, on the host, while the runner
+  prepares the inputs: the reference backend's padded layouts and masks, the
+  sdpa backend's length buckets) and its ``forward`` calls (once per layer,
+  inside the model), both timed from the inside while the run lasts
+  (:func:`timed_attention`);
 * **the rest of the model**: the runner's forward and sampling (the trace's
-  ``forward_s + sample_s``) minus attention: linear layers, norms, RoPE,
-  sampling;
-* **the engine**: what is left of the step: scheduling, building the inputs and
-  the attention metadata, bookkeeping, the trace. vLLM calls it the CPU
+  ``forward_s + sample_s``) minus the attention calls: linear layers, norms,
+  RoPE, sampling;
+* **the engine**: what is left of the step: scheduling, building the inputs
+  (less the attention metadata), bookkeeping, the trace. vLLM calls it the CPU
   overhead of a step; at a large batch it is the share that grows with the
   number of requests and not with the model.
+
+One-time work is kept out of the split: :func:`profile_run` builds (or loads)
+the C++ CPU kernels before the run starts, so the first run of a process does
+not book half a minute of compiling as its first forward.
 
 At a small batch the split that matters is finer: :func:`step_anatomy` takes
 the decode steps of a trace apart into the phases the trace times (the
@@ -37,17 +45,19 @@ class TimeShares:
     """The split of a run's step time (seconds; the shares are properties)."""
     num_steps: int
     step_s: float            # sum of the steps' wall times
-    model_s: float           # forward + sampling, attention included
-    attention_s: float       # inside the attention backend (nan if not timed)
+    model_s: float           # forward + sampling, attention's calls included
+    attention_s: float       # inside the attention backend's forward calls (nan if not timed)
     big_steps: int           # decode-only steps with at least ``min_running`` requests
     big_step_s: float
-    big_engine_s: float
+    big_engine_s: float      # the engine's time in those steps (attention metadata left out)
     big_requests: int        # requests summed over those steps
     min_running: int = 48    # what counts as a large batch
+    metadata_s: float = 0.0  # inside the backend's build_metadata (part of the runner's prepare_s)
 
     @property
     def attention(self) -> float:
-        return self.attention_s / self.step_s
+        """The backend's share: its metadata and its forward calls."""
+        return (self.attention_s + self.metadata_s) / self.step_s
 
     @property
     def rest_of_model(self) -> float:
@@ -55,7 +65,7 @@ class TimeShares:
 
     @property
     def engine(self) -> float:
-        return 1 - self.model_s / self.step_s
+        return 1 - (self.model_s + self.metadata_s) / self.step_s
 
     @property
     def engine_at_large_batch(self) -> float:
@@ -69,6 +79,7 @@ class TimeShares:
 
     def as_dict(self) -> dict:
         return {"steps": self.num_steps, "step_seconds": self.step_s, "attention": self.attention,
+                "attention_metadata": self.metadata_s / self.step_s,
                 "rest_of_model": self.rest_of_model, "engine": self.engine,
                 "large_batch_min_running": self.min_running, "large_batch_steps": self.big_steps,
                 "engine_at_large_batch": self.engine_at_large_batch,
@@ -77,17 +88,21 @@ class TimeShares:
 
 @contextmanager
 def timed_attention(engine, only=None):
-    """Time every call of ``engine``'s attention backend while the block runs.
+    """Time what ``engine``'s attention backend does while the block runs.
 
-    Yields a dict whose ``"seconds"``, ``"calls"`` and ``"context_tokens"`` (the
+    Yields a dict. Its ``"seconds"``, ``"calls"`` and ``"context_tokens"`` (the
     tokens the counted calls attend to, summed over calls: one layer's K/V read
-    each) grow with each call; ``only(meta)``, if given, picks the calls that
-    count (say, decode steps: ``lambda meta: meta.max_query_len == 1``). The
-    backend is restored after."""
+    each) grow with each ``forward`` call; ``"metadata_seconds"`` with each
+    ``build_metadata`` call, and ``"metadata_by_step"`` maps the index the step
+    will have in ``engine.trace`` to its metadata seconds. ``only(meta)``, if
+    given, picks the calls that count (say, decode steps: ``lambda meta:
+    meta.max_query_len == 1``). The backend is restored after."""
     backend = getattr(engine.runner, "attention", None)
     if backend is None:
         raise ValueError("this engine has no attention backend to time (a simulator run has no model)")
-    inner, spent = backend.forward, {"seconds": 0.0, "calls": 0, "context_tokens": 0}
+    inner, inner_meta = backend.forward, backend.build_metadata
+    spent = {"seconds": 0.0, "calls": 0, "context_tokens": 0, "metadata_seconds": 0.0,
+             "metadata_by_step": {}}
 
     def forward(q, k, v, meta, *caches):
         t0 = time.perf_counter()
@@ -98,38 +113,65 @@ def timed_attention(engine, only=None):
             spent["context_tokens"] += int(meta.seq_lens.sum())
         return out
 
-    wrapped = vars(backend).get("forward")     # another timer's, when timers nest
-    backend.forward = forward                   # an instance attribute, undone below
+    def build_metadata(*args, **kwargs):
+        t0 = time.perf_counter()
+        meta = inner_meta(*args, **kwargs)
+        if only is None or only(meta):
+            dt = time.perf_counter() - t0
+            spent["metadata_seconds"] += dt
+            step = len(engine.trace)       # the step being prepared is recorded next
+            spent["metadata_by_step"][step] = spent["metadata_by_step"].get(step, 0.0) + dt
+        return meta
+
+    wrapped = {name: vars(backend).get(name) for name in ("forward", "build_metadata")}
+    backend.forward, backend.build_metadata = forward, build_metadata   # instance attributes, undone below
     try:
         yield spent
     finally:
-        if wrapped is None:
-            del backend.forward
-        else:
-            backend.forward = wrapped
+        for name, before in wrapped.items():    # another timer's, when timers nest
+            if before is None:
+                delattr(backend, name)
+            else:
+                setattr(backend, name, before)
 
 
-def time_shares(trace, attention_s: float = float("nan"), min_running: int = 48) -> TimeShares:
+def _build_one_time_kernels(engine) -> None:
+    """Build (or load) the C++ CPU kernels now, before anything is timed: the
+    fused small ops load them at their first call, inside the first forward."""
+    runner = getattr(engine, "runner", None)
+    if getattr(getattr(runner, "device", None), "type", None) == "cpu":
+        from .attention.cpu_kernel import cpu_kernel_or_none
+        cpu_kernel_or_none()
+
+
+def time_shares(trace, attention_s: float = float("nan"), min_running: int = 48,
+                metadata_by_step: dict[int, float] | None = None) -> TimeShares:
     """Split the steps of ``trace`` (a real model's run) into attention, rest of
-    model and engine; ``attention_s`` comes from :func:`timed_attention`."""
+    model and engine; ``attention_s`` (the backend's forward calls) and
+    ``metadata_by_step`` (its metadata, by step index) come from
+    :func:`timed_attention`."""
     steps = trace.steps
     if not steps:
         raise ValueError("the trace has no steps: run the engine first")
-    big = [st for st in steps if st.prefill_tokens == 0 and st.num_scheduled >= min_running]
-    big_step = sum(st.wall_dt for st in big)
+    meta = metadata_by_step or {}
+    big = [k for k, st in enumerate(steps) if st.prefill_tokens == 0 and st.num_scheduled >= min_running]
+    big_step = sum(steps[k].wall_dt for k in big)
     return TimeShares(
         num_steps=len(steps), step_s=sum(st.wall_dt for st in steps),
         model_s=sum(st.forward_s + st.sample_s for st in steps), attention_s=attention_s,
         big_steps=len(big), big_step_s=big_step,
-        big_engine_s=big_step - sum(st.forward_s + st.sample_s for st in big),
-        big_requests=sum(st.num_scheduled for st in big), min_running=min_running)
+        big_engine_s=big_step - sum(steps[k].forward_s + steps[k].sample_s + meta.get(k, 0.0) for k in big),
+        big_requests=sum(steps[k].num_scheduled for k in big), min_running=min_running,
+        metadata_s=sum(meta.values()))
 
 
 def profile_run(engine) -> TimeShares:
-    """Run ``engine`` to the end with its attention timed; return the split."""
+    """Run ``engine`` to the end with its attention backend timed; return the split.
+    The C++ CPU kernels are built (or loaded) first, so no step pays for that."""
+    _build_one_time_kernels(engine)
     with timed_attention(engine) as spent:
         engine.run()
-    return time_shares(engine.trace, spent["seconds"])
+    return time_shares(engine.trace, spent["seconds"], metadata_by_step=spent["metadata_by_step"])
 
 
 PHASES = ("schedule", "prepare", "forward", "sample", "update", "rest")

@@ -1,9 +1,11 @@
 """Where a run's time goes (minibatch_engine.profiling): the split adds up, the
-attention timer counts every call and leaves the backend as it was, and the
+attention timer counts every call (the backend's metadata included) and leaves
+the backend as it was, no step pays for a one-time kernel build, and the
 engine's fast paths for decode steps keep the KV bookkeeping exact."""
 from __future__ import annotations
 
 import math
+import time
 
 import pytest
 
@@ -26,9 +28,12 @@ def test_the_split_adds_up_and_the_timer_counts_every_layer_call(tiny32):
     backend = eng.runner.attention
     with timed_attention(eng) as spent:
         eng.run()
-    assert "forward" not in vars(backend)                 # the backend is as it was
+    assert not {"forward", "build_metadata"} & set(vars(backend))   # the backend is as it was
     assert spent["calls"] == tiny32.config.num_layers * len(eng.trace)
-    shares = time_shares(eng.trace, spent["seconds"], min_running=2)
+    assert sorted(spent["metadata_by_step"]) == list(range(len(eng.trace)))   # one build per step
+    shares = time_shares(eng.trace, spent["seconds"], min_running=2,
+                         metadata_by_step=spent["metadata_by_step"])
+    assert shares.metadata_s == spent["metadata_seconds"] > 0
     assert 0 < shares.attention < 1 and 0 < shares.rest_of_model < 1 and 0 < shares.engine < 1
     assert math.isclose(shares.attention + shares.rest_of_model + shares.engine, 1.0)
     big = [st for st in eng.trace.steps if st.prefill_tokens == 0 and st.num_scheduled >= 2]
@@ -54,9 +59,53 @@ def test_timers_nest(tiny32):
     eng = _engine(tiny32)
     with timed_attention(eng) as outer:
         shares = profile_run(eng)
-    assert "forward" not in vars(eng.runner.attention)
+    assert not {"forward", "build_metadata"} & set(vars(eng.runner.attention))
     assert outer["calls"] == tiny32.config.num_layers * shares.num_steps
     assert shares.attention_s >= outer["seconds"] > 0      # the inner timer wraps the outer one
+    assert shares.metadata_s >= outer["metadata_seconds"] > 0
+
+
+def test_the_backends_metadata_is_attention_time_not_the_engines(tiny32, monkeypatch):
+    """The reference backend does its padding work (layouts, masks) in build_metadata,
+    on the host while the runner prepares the step, outside its forward calls: that
+    time is the backend's, so it must land in attention, not in the engine's share."""
+    from minibatch_engine.attention.reference import ReferenceBackend
+    pause, build = 0.02, ReferenceBackend.build_metadata
+
+    def slow_build(self, *args, **kwargs):
+        time.sleep(pause)
+        return build(self, *args, **kwargs)
+    monkeypatch.setattr(ReferenceBackend, "build_metadata", slow_build)
+    shares = profile_run(_engine(tiny32, attention_backend="reference"))
+    slept = pause * shares.num_steps
+    assert shares.metadata_s >= slept
+    assert shares.attention * shares.step_s >= slept
+    assert shares.engine * shares.step_s < slept           # the engine's own work is far less
+    assert math.isclose(shares.attention + shares.rest_of_model + shares.engine, 1.0)
+
+
+def test_no_step_pays_for_building_the_cpu_kernels(tiny32, monkeypatch):
+    """The fused small ops load the C++ kernels at their first call, inside the
+    first forward: a first run in a fresh process (a build takes half a minute or
+    more) must not book that as model time. profile_run builds them first."""
+    from minibatch_engine.attention import cpu_kernel
+    built = cpu_kernel.cpu_kernel_or_none()
+    if built is None:
+        pytest.skip("no C++ kernels here")
+    pause, loads = 0.5, []
+
+    def slow_load(verbose=False):           # a build, shortened
+        loads.append(time.perf_counter())
+        time.sleep(pause)
+        monkeypatch.setattr(cpu_kernel, "_module", built)
+        return built
+    monkeypatch.setattr(cpu_kernel, "_module", None)
+    monkeypatch.setattr(cpu_kernel, "load_cpu_kernel", slow_load)
+    eng = _engine(tiny32, attention_backend="reference")
+    shares = profile_run(eng)
+    assert len(loads) == 1                                  # built once, before the run
+    assert max(st.forward_s for st in eng.trace.steps) < pause
+    assert shares.rest_of_model * shares.step_s < pause
 
 
 def test_no_large_batch_steps_and_bad_inputs(tiny32):
