@@ -304,7 +304,9 @@ def _bench(args, simulate: bool) -> int:
         write_json(summary, args.json)
     if args.plot:
         from .book import plotting
-        fig = plotting.timeline(engine.trace, title=f"{args.scheduler} on {args.workload}")
+        paged = engine.config.kv_layout == "paged"     # resolved: never "auto" here
+        fig = plotting.timeline(engine.trace, title=f"{args.scheduler} on {args.workload}",
+                                ylabel="first KV block" if paged else "KV row")
         fig.savefig(args.plot, dpi=120, bbox_inches="tight")
     return 0
 

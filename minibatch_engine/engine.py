@@ -347,9 +347,10 @@ class Engine:
             self._wait_for_arrival()
             return []
         result = self.runner.execute(sched)
+        lanes = self._lanes(sched)      # before the update: a request finishing now still holds its blocks
         ran = self.wall_now()
         finished = self.scheduler.update_from_output(sched, result)
-        self._record(sched, result, started, (scheduled - started[0], self.wall_now() - ran))
+        self._record(sched, result, lanes, started, (scheduled - started[0], self.wall_now() - ran))
         return finished
 
     def _wait_for_arrival(self) -> None:
@@ -362,24 +363,28 @@ class Engine:
         else:
             time.sleep(max(0.0, nxt - self.wall_now()))
 
-    def _record(self, sched: SchedulerOutput, result: RunnerOutput, started: tuple[float, float],
-                phases: tuple[float, float]) -> None:
-        """Append the step to the trace (and advance the simulated clock);
-        ``phases``: the wall seconds of the scheduler's decision and update."""
+    def _lanes(self, sched: SchedulerOutput) -> list[LaneRecord]:
+        """The step's lanes for the trace, each at its request's first block
+        (its row, for a reserved cache) as the step computed it."""
         first_block = self.kv_cache.first_block
-        lanes, useful, prefill, verified = [], 0, 0, []     # one pass: this runs every step
+        lanes = [LaneRecord(s.request_id, first_block(s.request_id),
+                            "prefill" if s.is_prefill else "decode", s.num_tokens, s.start)
+                 for s in sched.scheduled]
+        return lanes + [LaneRecord(p.owner_id, first_block(p.owner_id), "pad", p.num_tokens,
+                                   p.start) for p in sched.padding]
+
+    def _record(self, sched: SchedulerOutput, result: RunnerOutput, lanes: list[LaneRecord],
+                started: tuple[float, float], phases: tuple[float, float]) -> None:
+        """Append the step to the trace (and advance the simulated clock);
+        ``lanes``: from :meth:`_lanes`, taken before the scheduler's update;
+        ``phases``: the wall seconds of the scheduler's decision and update."""
+        useful, prefill, verified = 0, 0, []     # one pass: this runs every step
         for s in sched.scheduled:
-            rid, n = s.request_id, s.num_tokens
-            useful += n
+            useful += s.num_tokens
             if s.spec_token_ids:
                 verified.append(s)
             if s.is_prefill:
-                prefill += n
-                lanes.append(LaneRecord(rid, first_block(rid), "prefill", n, s.start))
-            else:
-                lanes.append(LaneRecord(rid, first_block(rid), "decode", n, s.start))
-        lanes += [LaneRecord(p.owner_id, first_block(p.owner_id), "pad", p.num_tokens,
-                             p.start) for p in sched.padding]
+                prefill += s.num_tokens
         sim_start = sim_end = draft_sim_s = None
         if self.cost_model is not None:
             sim_start = started[1]

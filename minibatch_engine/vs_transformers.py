@@ -190,7 +190,8 @@ def format_comparison(s: dict) -> str:
                      f"{r['requests_token_equal_to_engine']:>10}/{s['num_requests']}")
     t = s.get("engine_time_shares")
     if t:
-        lines.append(f"  engine step time (one more run, attention timed inside): attention {t['attention']:.0%}, "
+        lines.append(f"  engine step time (one more run, attention timed inside): attention {t['attention']:.0%} "
+                     f"(its metadata {t['attention_metadata']:.0%}), "
                      f"rest of model {t['rest_of_model']:.0%}, engine {t['engine']:.1%}; "
                      f"engine {t['engine_at_large_batch']:.1%} in the {t['large_batch_steps']} decode steps "
                      f"of {t['large_batch_min_running']}+ requests ({t['engine_us_per_request']:.1f} us "

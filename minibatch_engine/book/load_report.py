@@ -58,14 +58,6 @@ def glue_sweep(curves: Mapping[str, Sequence[Mapping]], keys: Mapping[str, str])
         glue_rows({f"{name}_{r['rate']:g}": r for r in rows}, keys)
 
 
-def steady_rows(curves: Mapping[str, Sequence[Mapping]]) -> dict[str, list[dict]]:
-    """The rows with vLLM's whole-run ``request_throughput`` and ``goodput``
-    replaced by their steady-state values, for
-    :func:`~minibatch_engine.book.plotting.load_curves`, which plots those keys."""
-    return {name: [dict(r, request_throughput=r["steady_request_throughput"], goodput=r["steady_goodput"])
-                   for r in rows] for name, rows in curves.items()}
-
-
 def closest_pair(a: Sequence[Mapping], b: Sequence[Mapping], key: str = "steady_offered_rate"):
     """The row of ``a`` and the row of ``b`` whose ``key`` values are closest
     (e.g. two arrival patterns at the same measured offered load)."""

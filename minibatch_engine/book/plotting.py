@@ -11,6 +11,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.colors import ListedColormap
 from matplotlib.patches import Patch
+from matplotlib.ticker import MaxNLocator
 
 # One palette for the whole book.
 COLORS = {
@@ -72,25 +73,21 @@ def _axes(ax, figsize):
 
 
 def _lane_rows(steps):
-    """Each lane's row: its request's KV row or first block. A request that
-    finishes in a step has given its memory back by the time the step is
-    recorded (first block -1), so it keeps the row it last had."""
+    """Each lane's row: the rank of its request's KV row or first block among
+    those the steps use (the engine records a lane's block before the step's
+    update frees anything, so every computed lane has one)."""
     places = sorted({lane.first_block for s in steps for lane in s.lanes if lane.first_block >= 0})
     row = {b: i for i, b in enumerate(places)}
-    last: dict[str, int] = {}
-    rows = []
-    for s in steps:
-        for lane in s.lanes:
-            if lane.first_block >= 0:
-                last[lane.request_id] = row[lane.first_block]
-        rows.append([last.get(lane.request_id, -1) for lane in s.lanes])
+    rows = [[row.get(lane.first_block, -1) for lane in s.lanes] for s in steps]
     return max(len(places), 1), rows
 
 
 def timeline(trace, ax=None, title: str | None = None, max_steps: int | None = None,
-             figsize=(8, 3), x: str = "steps"):
+             figsize=(8, 3), x: str = "steps", ylabel: str = "KV row"):
     """Gantt-like view of KV rows or first blocks (y) over steps (x): what each
-    computed in each step: prefill, decode, padding, or nothing.
+    computed in each step: prefill, decode, padding, or nothing (idle).
+    ``ylabel``: "KV row" (a place in the batch) suits a reserved cache; say
+    "first KV block" for a paged one.
 
     ``x="steps"``: one column per step. ``x="tokens"``: each step as wide as its
     widest lane in tokens, so a padded prefill shows at its width (the longest
@@ -130,9 +127,10 @@ def timeline(trace, ax=None, title: str | None = None, max_steps: int | None = N
               extent=(-0.5, grid.shape[1] - 0.5, grid.shape[0] - 0.5, -0.5))
     ax.set_xlabel("engine step" if x == "steps" else
                   "token rows computed (a step as wide as its longest lane)")
-    ax.set_ylabel("KV row / first block")
+    ax.set_ylabel(ylabel)
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.grid(False)
-    ax.legend(handles=[Patch(color=COLORS[k], label=k) for k in LANE_KINDS[1:]],
+    ax.legend(handles=[Patch(facecolor=COLORS[k], edgecolor="grey", label=k) for k in LANE_KINDS],
               loc="upper left", bbox_to_anchor=(1.0, 1.0))
     if title:
         ax.set_title(title)
@@ -417,23 +415,27 @@ def tokens_per_step(counts: Mapping[str, Sequence[int]], ax=None, title: str | N
 
 def load_curves(curves: Mapping[str, Sequence[Mapping]], slo_ms: Mapping[str, float] | None = None,
                 x: str = "request_throughput", stat: str = "p99", title: str | None = None,
-                figsize=(11, 3.2)):
+                goodput: str = "goodput", offered: str = "rate", figsize=(11, 3.2)):
     """A load sweep in three panels: TTFT and TPOT (at ``stat``) against the
-    achieved throughput ``x``, and goodput against the offered rate. ``curves``
-    maps a label (a configuration) to its rows, one per rate (the JSON rows of
-    ``sweep``). ``slo_ms`` draws the SLO bounds as dashed lines."""
+    achieved throughput ``x``, and ``goodput`` against the ``offered`` rate.
+    ``curves`` maps a label (a configuration) to its rows, one per rate (the
+    JSON rows of ``sweep``; for the steady-state window pass
+    ``x="steady_request_throughput", goodput="steady_goodput",
+    offered="steady_offered_rate"``). ``slo_ms`` draws the SLO bounds as
+    dashed lines."""
     fig, axes = plt.subplots(1, 3, figsize=figsize)
     plt.close(fig)
     xlabel = {"request_throughput": "throughput (requests/s)",
+              "steady_request_throughput": "throughput, steady window (requests/s)",
               "output_throughput": "output throughput (tokens/s)"}.get(x, x)
     for label, rows in curves.items():
-        rows = sorted(rows, key=lambda r: r["rate"])
+        rows = sorted(rows, key=lambda r: r[offered])
         color = COLORS.get(label)
         for ax, key in zip(axes[:2], ("ttft", "tpot")):
             ax.plot([r[x] for r in rows], [r[f"{key}_ms_{stat}"] for r in rows], marker="o", ms=3,
                     label=label, color=color)
-        if all("goodput" in r for r in rows):
-            axes[2].plot([r["rate"] for r in rows], [r["goodput"] for r in rows], marker="o", ms=3,
+        if all(goodput in r for r in rows):
+            axes[2].plot([r[offered] for r in rows], [r[goodput] for r in rows], marker="o", ms=3,
                          label=label, color=color)
     for ax, key in zip(axes[:2], ("ttft", "tpot")):
         ax.set_xlabel(xlabel)
@@ -441,10 +443,11 @@ def load_curves(curves: Mapping[str, Sequence[Mapping]], slo_ms: Mapping[str, fl
         ax.set_yscale("log")
         if slo_ms and key in slo_ms:
             ax.axhline(slo_ms[key], color="k", ls="--", lw=0.8, label="SLO")
-    rates = sorted({r["rate"] for rows in curves.values() for r in rows})
+    rates = sorted({r[offered] for rows in curves.values() for r in rows})
     axes[2].plot(rates, rates, color="#AAAAAA", ls=":", lw=1, label="offered rate")
-    axes[2].set_xlabel("offered rate (requests/s)")
-    axes[2].set_ylabel("goodput (requests/s)")
+    window = " (steady window)" if offered.startswith("steady") else ""
+    axes[2].set_xlabel(f"offered rate{window} (requests/s)")
+    axes[2].set_ylabel(f"goodput{window} (requests/s)")
     axes[0].legend(fontsize=8)
     if title:
         fig.suptitle(title)

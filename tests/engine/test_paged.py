@@ -208,3 +208,17 @@ def test_first_block_names_where_a_request_starts():
     assert reserved.first_block("y") == reserved.block_table("y")[0] == 1
     reserved.free("y")
     assert reserved.first_block("y") == -1
+
+
+@pytest.mark.parametrize("kv_layout", ["paged", "reserved"])
+def test_trace_lanes_keep_their_block_on_the_finishing_step(tiny32, kv_layout):
+    """Every computed lane names the block it was computed in, the last step of
+    a request included (its blocks are freed only after the step is recorded)."""
+    engine = Engine(tiny32, EngineConfig(scheduler="continuous", kv_layout=kv_layout,
+                                       max_model_len=64, max_num_seqs=3))
+    for i, n in enumerate((3, 7, 5, 2)):
+        engine.add_request([1 + i] * 4, SamplingParams(max_tokens=n, ignore_eos=True))
+    engine.run()
+    last = {lane.request_id: lane for rec in engine.trace.steps for lane in rec.lanes}
+    assert len(last) == 4
+    assert all(lane.first_block >= 0 for rec in engine.trace.steps for lane in rec.lanes)

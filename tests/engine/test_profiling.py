@@ -122,12 +122,13 @@ def test_the_comparison_reports_the_engine_time_shares():
     summary = {"model": "tiny", "workload": "uniform", "num_requests": 2, "output_tokens": 10, "batch": 2,
                "threads": 2, "rounds": 1, "torch": "t", "transformers": "x",
                "systems": {"engine": {"tokens_per_second": 100.0, "requests_token_equal_to_engine": 2}},
-               "engine_time_shares": {"attention": 0.21, "rest_of_model": 0.71, "engine": 0.08,
+               "engine_time_shares": {"attention": 0.21, "attention_metadata": 0.03,
+                                      "rest_of_model": 0.71, "engine": 0.08,
                                       "large_batch_min_running": 48, "large_batch_steps": 7,
                                       "engine_at_large_batch": 0.093,
                                       "engine_us_per_request": 6.5}}
     text = format_comparison(summary)
-    assert "attention 21%" in text and "engine 9.3% in the 7 decode steps of 48+" in text and "6.5 us" in text
+    assert "attention 21% (its metadata 3%)" in text and "engine 9.3% in the 7 decode steps of 48+" in text and "6.5 us" in text
 
 
 def test_decode_fast_paths_keep_the_bookkeeping_exact(tiny32):
