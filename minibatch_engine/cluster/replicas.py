@@ -83,16 +83,19 @@ class Cluster:
     router knows of the prefix caches: ``"router"``, its own record of what it
     sent where (:class:`~.prefix_index.PrefixIndex`, all an HTTP router has), or
     ``"replica"``, the caches themselves (exact, as routers fed by KV events).
-    ``on_finish(replica, request)`` is called for each request a replica finishes.
+    ``on_finish(replica, request)`` is called for each request a replica
+    finishes, ``on_route(replica, request_id)`` when one is routed (before the
+    replica gets it).
     """
 
     def __init__(self, pools: dict[str, tuple[Sequence[Engine], RouterPolicy]], prefix_source: str = "router",
-                 on_finish: Callable[[Replica, Request], None] | None = None):
+                 on_finish: Callable[[Replica, Request], None] | None = None,
+                 on_route: Callable[[Replica, str], None] | None = None):
         if prefix_source not in PREFIX_SOURCES:
             raise ValueError(f"prefix_source must be one of {PREFIX_SOURCES}, got {prefix_source!r}")
         if not pools or any(not engines for engines, _ in pools.values()):
             raise ValueError("a cluster needs at least one pool, each with at least one engine")
-        self.prefix_source, self.on_finish = prefix_source, on_finish
+        self.prefix_source, self.on_finish, self.on_route = prefix_source, on_finish, on_route
         self.replicas: list[Replica] = []
         self.pools: dict[str, Pool] = {}
         for name, (engines, router) in pools.items():
@@ -133,6 +136,8 @@ class Cluster:
         pool.index.record(i, a.prompt, hashes)
         pool.chosen.append(i)
         r = pool.replicas[i]
+        if self.on_route is not None:
+            self.on_route(r, a.request_id)
         r.engine.add_request(a.prompt, a.params, request_id=a.request_id, arrival_time=a.time)
         r.routed += 1
         self.placement[(a.pool, a.request_id)] = r.index
