@@ -170,16 +170,16 @@ def parse_clients(text: str) -> dict[str, float]:
 class MultiTurnSpec:
     """Conversations of ``turns`` turns: the first user message, then a reply
     (``output``) and a next user message (``follow_up``) per turn. Conversations
-    start at ``arrival_rate / mean turns`` per second (Poisson), from well
-    before time 0 so that the requests from 0 on are a steady stream (a
-    conversation may be met in its middle); a turn follows the one before
+    start at ``arrival_rate / mean turns`` per second (Poisson), from time 0,
+    so the stream reaches ``arrival_rate`` once the first conversations have
+    had their later turns (a few ``think_s``); a turn follows the one before
     after ``think_s`` seconds plus an exponential wait of mean ``think_s`` (the
     user reads, then types)."""
     turns: LengthDist = Uniform(2, 6)
     first: LengthDist = LogNormal(192, 0.6, 16, 1024)
     follow_up: LengthDist = LogNormal(48, 0.8, 4, 256)
     output: LengthDist = LogNormal(128, 0.6, 8, 384)
-    think_s: float = 4.0
+    think_s: float = 2.0
     description: str = ("multi-turn chat: 2-6 turns, each prompt the whole history; first message "
                         "lognormal (median 192), follow-ups (median 48), replies (median 128)")
 
@@ -213,12 +213,10 @@ def _make_multi_turn(spec: MultiTurnSpec, num_requests, rng, vocab_size, arrival
     simulated model's own tokens differ: a cache then holds the earlier
     prompts, not the replies)."""
     mean_turns = float(np.mean(spec.turns.sample(np.random.default_rng(0), 1000)))
-    # Conversations start before time 0, long enough for the stream to be steady
-    # (turns of every age) from time 0 on; turns before 0 are dropped. Stop once
-    # num_requests turns from 0 on have arrived by the latest conversation's start.
-    warm = 4 * spec.think_s * spec.turns.sample(np.random.default_rng(0), 1000).max()
-    start, out, conv = (-warm if arrival_rate is not None else 0.0), [], 0
-    while sum(0 <= s.arrival_time <= start for s in out) < num_requests:
+    # Stop once num_requests turns have arrived by the latest conversation's
+    # start: the turns taken are the first ones of the stream, none missing.
+    start, out, conv = 0.0, [], 0
+    while sum(s.arrival_time <= start for s in out) < num_requests:
         if arrival_rate is not None:
             start += float(rng.exponential(mean_turns / arrival_rate))
         history, t = _tokens(rng, spec.first.sample(rng, 1)[0], vocab_size), start
@@ -230,7 +228,7 @@ def _make_multi_turn(spec: MultiTurnSpec, num_requests, rng, vocab_size, arrival
             out.append(RequestSpec(list(history), g, t, client_id=f"conv-{conv}"))
             reply = _tokens(rng, g, vocab_size)
         conv += 1
-    out = sorted((s for s in out if s.arrival_time >= 0), key=lambda s: s.arrival_time)
+    out.sort(key=lambda s: s.arrival_time)
     return out[:num_requests]
 
 

@@ -40,6 +40,7 @@ def simulate_cluster(replicas: int = 2, router: str = "round-robin", workload: s
     requests = [r for rep in cluster.replicas for r in rep.engine.requests.values()]
     timings = [t for rep in cluster.replicas
                for t in timings_from_trace(rep.engine.requests.values(), rep.engine.trace, "sim")]
+    cluster.timings = timings
     tp = engines[0].config.tensor_parallel_size
     summary = {"mode": "co-located", "replicas": replicas, "router": router, "prefix_source": prefix_source,
                "max_imbalance": max_imbalance if router == "prefix" else None, "workload": workload,

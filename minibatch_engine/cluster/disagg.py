@@ -113,7 +113,8 @@ def simulate_disaggregated(prefill_replicas: int = 1, decode_replicas: int = 1, 
                "workload": workload, "num_requests": len(specs), "arrival_rate": arrival_rate,
                "burstiness": burstiness, "seed": seed, "sim_gpu": sim_gpu, "sim_model": sim_model,
                "tensor_parallel_size": tp, "clock": "sim"}
-    summary.update(totals(hand.timings(), cluster.replicas, prefill_reqs, ps, slo,
+    cluster.timings = hand.timings()
+    summary.update(totals(cluster.timings, cluster.replicas, prefill_reqs, ps, slo,
                           num_gpus=(prefill_replicas + decode_replicas) * tp))
     moved = sorted(hand.transfer_s.values())
     summary.update(kv_transfers=len(moved), kv_transfer_ms_mean=1e3 * sum(moved) / len(moved) if moved else 0.0,

@@ -109,6 +109,7 @@ class Cluster:
         self._arrivals: list[_Arrival] = []
         self._order = itertools.count()
         self.placement: dict[tuple[str, str], int] = {}    # (pool, request id) -> replica index
+        self.timings: list = []      # what the client saw of each request (set by the simulate functions)
 
     def submit(self, prompt: Sequence[int], params: SamplingParams, arrival_time: float, request_id: str,
                pool: str | None = None) -> None:
