@@ -16,7 +16,7 @@ PD_WORKLOADS = {
     "long prompts": WorkloadSpec(Uniform(1536, 2560), Uniform(64, 128), "prompts 1536-2560, outputs 64-128"),
     "long outputs": WorkloadSpec(Uniform(128, 256), Uniform(384, 512), "prompts 128-256, outputs 384-512"),
 }
-SLO_PAIRS = {"tight TPOT": {"ttft": 1000, "tpot": 15}, "tight TTFT": {"ttft": 150, "tpot": 50}}
+SLO_PAIRS = {"tight TPOT": {"ttft": 1000, "tpot": 10}, "tight TTFT": {"ttft": 150, "tpot": 50}}
 DESIGNS = ("co-located", "disaggregated")
 
 
@@ -59,11 +59,14 @@ def select(rows, workload: str, design: str) -> list[dict]:
 
 
 def distserve_per_gpu(rows, workload: str, design: str, slo: str, num_gpus: int = 2,
-                      attainment: float = 0.9) -> float:
+                      attainment: float = 0.9) -> tuple[float, bool]:
     """DistServe's goodput per GPU: the highest rate of the sweep at which
-    ``attainment`` of the requests met the SLO pair, over the GPUs (0: not even the lowest)."""
-    best = distserve_goodput(select(rows, workload, design), attainment, key=f"attainment {slo}")
-    return (best or 0.0) / num_gpus
+    ``attainment`` of the requests met the SLO pair (and every lower rate
+    too), over the GPUs (0: not even the lowest); and whether that is the
+    sweep's highest rate (the true goodput may then be higher)."""
+    sel = select(rows, workload, design)
+    best = distserve_goodput(sel, attainment, key=f"attainment {slo}")
+    return (best or 0.0) / num_gpus, best == max(r["rate"] for r in sel)
 
 
 def pd_figure(rows, slos=SLO_PAIRS, workloads=PD_WORKLOADS, attainment: float = 0.9):
@@ -74,9 +77,10 @@ def pd_figure(rows, slos=SLO_PAIRS, workloads=PD_WORKLOADS, attainment: float = 
     for i, w in enumerate(workloads):
         for j, name in enumerate(slos):
             ax = axes[i][j]
-            for d, color in zip(DESIGNS, ("#4C72B0", "#DD8452")):
+            for d, color, style in zip(DESIGNS, ("#4C72B0", "#DD8452"), ("o-", "s--")):
                 sel = select(rows, w, d)
-                ax.plot([r["rate"] for r in sel], [r[f"attainment {name}"] for r in sel], "o-", color=color, label=d)
+                ax.plot([r["rate"] for r in sel], [r[f"attainment {name}"] for r in sel], style, color=color,
+                        label=d, ms=5)
             ax.axhline(attainment, color="#8C8C8C", ls="--", lw=1)
             slo = slos[name]
             ax.set_title(f"{w}; TTFT ≤ {slo['ttft']} ms, TPOT ≤ {slo['tpot']} ms", fontsize=9)
@@ -100,3 +104,24 @@ def balance_figure(runs: Mapping[str, Mapping]):
     ax.set_ylabel("requests routed")
     ax.legend(fontsize=8, ncol=n)
     return fig
+
+
+def glue_runs(prefix: str, runs: Mapping[str, Mapping], keys: Mapping[str, str]) -> None:
+    """Glue ``{prefix}_{name}_{short}`` for every run and every ``short: key``
+    (run names with spaces and commas become underscores)."""
+    from .glue import glue
+    for name, s in runs.items():
+        tag = name.replace(", ", "_").replace(" ", "_").replace("-", "_")
+        for short, key in keys.items():
+            glue(f"{prefix}_{tag}_{short}", s[key], display=False)
+
+
+def link_table(cost_model, prompt_tokens: int, links) -> tuple[Table, dict]:
+    """Seconds to move one prompt's KV over each link, beside its prefill's."""
+    nbytes = prompt_tokens * cost_model.kv_bytes_per_token
+    prefill_s = cost_model.step_time([(prompt_tokens, prompt_tokens)])
+    out = {name: link.transfer_seconds(nbytes) for name, link in links.items()}
+    table = Table([[name, link.bandwidth / 1e9, 1e3 * out[name], out[name] / prefill_s]
+                   for name, link in links.items()],
+                  ["link", "GB/s each way", "transfer (ms)", "share of the prefill's time"], floatfmt=".3f")
+    return table, {"bytes": nbytes, "prefill_s": prefill_s, **out}
