@@ -8,8 +8,10 @@ share a GPU: a long prefill never stalls a decode step, and each pool can be
 sized for its phase; the price is the transfer, and GPUs one phase leaves idle
 the other cannot use.
 
-Timing, as DistServe counts it: the first token leaves the prefill replica
-(TTFT ends there); the transfer delays the second token (it counts in TPOT).
+Timing: the first token leaves the prefill replica (TTFT ends there, as when
+the prefill side streams it to the user); the transfer delays the second
+token (it counts in TPOT). A proxy that streams every token from the decode
+side would add the transfer to TTFT instead.
 The decode replica takes the KV when the request arrives there: its blocks are
 taken at admission, as a KV connector pulls a remote KV cache into blocks its
 scheduler gives it. The prefill replica frees its blocks once the prompt's
