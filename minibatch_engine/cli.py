@@ -156,8 +156,33 @@ def _bench_args(p: argparse.ArgumentParser, simulate: bool, sweep: bool = False)
         p.add_argument("--threads", type=positive_int, default=2, help="with --vs-transformers: torch CPU threads")
     if simulate:
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
+        _cluster_args(p)
     else:
         _model_args(p)
+
+
+def _cluster_args(p: argparse.ArgumentParser) -> None:
+    from .cluster.link import LINKS
+    from .cluster.replicas import PREFIX_SOURCES
+    from .cluster.router import ROUTER_POLICIES
+    g = p.add_argument_group("many engines (chapter 12)")
+    g.add_argument("--replicas", type=positive_int, default=None, metavar="N",
+                   help="N co-located engine replicas behind a router (default: one engine, no router)")
+    g.add_argument("--router", choices=list(ROUTER_POLICIES), default=None,
+                   help="how the router picks a replica (default: round-robin; with disaggregation, "
+                        "least-requests for the prefill pool)")
+    g.add_argument("--max-imbalance", type=non_negative_int, default=8, metavar="R",
+                   help="--router prefix: consider only replicas with at most R more requests "
+                        "outstanding than the least busy (the load guard)")
+    g.add_argument("--prefix-source", choices=PREFIX_SOURCES, default="router",
+                   help="--router prefix: the router's own record of what it sent where, or the "
+                        "replicas' caches themselves")
+    g.add_argument("--prefill-replicas", type=positive_int, default=None, metavar="P",
+                   help="disaggregated: P prefill replicas (with --decode-replicas)")
+    g.add_argument("--decode-replicas", type=positive_int, default=None, metavar="D",
+                   help="disaggregated: D decode replicas (with --prefill-replicas)")
+    g.add_argument("--link", choices=list(LINKS), default="nvlink",
+                   help="disaggregated: the link that carries each prompt's KV cache")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -201,6 +226,8 @@ def main(argv=None) -> int:
             return _generate(args)
         if args.command == "sweep":
             return _sweep(args)
+        if args.command == "simulate" and _is_cluster(args):
+            return _cluster(args)
         return _bench(args, simulate=args.command == "simulate")
     except (ValueError, TypeError, KeyError, OSError, NotImplementedError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
@@ -308,6 +335,58 @@ def _bench(args, simulate: bool) -> int:
         fig = plotting.timeline(engine.trace, title=f"{args.scheduler} on {args.workload}",
                                 ylabel="first KV block" if paged else "KV row")
         fig.savefig(args.plot, dpi=120, bbox_inches="tight")
+    return 0
+
+
+def _is_cluster(args) -> bool:
+    disagg = (args.prefill_replicas, args.decode_replicas)
+    if (disagg[0] is None) != (disagg[1] is None):
+        raise ValueError("disaggregation needs both --prefill-replicas and --decode-replicas")
+    if disagg[0] is not None and args.replicas is not None:
+        raise ValueError("give --replicas (co-located) or --prefill-replicas/--decode-replicas "
+                         "(disaggregated), not both")
+    if args.router is not None and args.replicas is None and disagg[0] is None:
+        raise ValueError("--router needs --replicas N (or --prefill-replicas/--decode-replicas)")
+    return args.replicas is not None or disagg[0] is not None
+
+
+def _cluster(args) -> int:
+    import json
+    from .cluster import simulate_cluster
+    from .cluster.disagg import simulate_disaggregated
+    from .metrics import parse_percentiles
+    if args.scheduler != "continuous" or args.clients or args.speculative_method:
+        raise ValueError("a cluster runs continuous engines on one workload: drop --scheduler, --clients "
+                         "and --speculative-method")
+    opts = dict(workload=args.workload, num_requests=args.num_requests, arrival_rate=args.arrival_rate,
+                burstiness=args.burstiness, seed=args.seed, sim_gpu=args.sim_gpu, sim_model=args.sim_model,
+                max_batch=args.max_batch, percentiles=args.percentiles, goodput=args.goodput,
+                progress=not args.no_progress, **_engine_options(args))
+    if args.max_model_len is not None:
+        opts["max_model_len"] = args.max_model_len
+    if args.replicas is not None:
+        s, _ = simulate_cluster(args.replicas, args.router or "round-robin", max_imbalance=args.max_imbalance,
+                                prefix_source=args.prefix_source, **opts)
+        print(f"{args.replicas} co-located replicas, router {s['router']}")
+    else:
+        s, _ = simulate_disaggregated(args.prefill_replicas, args.decode_replicas, args.link,
+                                      router=args.router or "least-requests", **opts)
+        print(f"{args.prefill_replicas} prefill + {args.decode_replicas} decode replicas over {s['link']} "
+              f"(KV transfer mean {s['kv_transfer_ms_mean']:.3g} ms)")
+    print(f"{'replica':>8} {'pool':>8} {'requests':>9} {'hit rate':>9} {'busy s':>9} {'TTFT p50':>10}")
+    for r in s["per_replica"]:
+        print(f"{r['index']:>8} {r['pool']:>8} {r['requests']:>9} {r['prefix_hit_rate']:>9.3f} "
+              f"{r['busy_s']:>9.3g} {r.get('ttft_ms_p50', float('nan')):>8.4g}ms")
+    p = f"{parse_percentiles(args.percentiles)[-1]:g}"
+    print(f"total: {s['completed']} requests, {s['request_throughput']:.3g} req/s, TTFT p{p} "
+          f"{s[f'ttft_ms_p{p}']:.4g} ms, TPOT p{p} {s[f'tpot_ms_p{p}']:.4g} ms, prefix hit rate "
+          f"{s['prefix_hit_rate']:.3f}, load imbalance {s['load_imbalance']:.3f}"
+          + (f", goodput {s['goodput']:.3g} req/s ({s['goodput_per_gpu']:.3g} per GPU)" if "goodput" in s else ""))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(s, f, indent=1, default=str)
+    if args.plot:
+        raise ValueError("--plot draws one engine's timeline; a cluster run has none (use --json)")
     return 0
 
 

@@ -258,7 +258,9 @@ class Engine:
                     prompt_text: str | None = None, priority: int = 0,
                     client_id: str | None = None) -> Request:
         """Queue a request. ``prompt`` is a list of token ids. ``arrival_time`` (in
-        the engine's clock, :meth:`now`) defers it; by default it arrives now."""
+        the engine's clock, :meth:`now`) defers it; by default it arrives now. An
+        arrival time already past is kept as the request's simulated arrival (a
+        router hands a replica a request that came while its step ran)."""
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__} "
@@ -293,8 +295,8 @@ class Engine:
             raise ValueError(f"request {rid}: n ({params.n}) exceeds max_num_seqs ({self.config.max_num_seqs})")
         if arrival_time is not None and arrival_time > self.now():
             heapq.heappush(self.pending, (arrival_time, next(self._order), req))
-        else:
-            self._arrive(req)
+        else:       # arrived already: by now, or earlier (a router's clock behind this step's end)
+            self._arrive(req, arrival_time)
         self._known_ids.add(rid)
         return req
 

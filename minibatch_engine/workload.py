@@ -9,6 +9,14 @@ Two kinds of mix for scheduling policies (chapter 7):
 * tenants (``clients={"a": 8, "b": 1}``): each client sends a Poisson stream at
   its own rate (requests/s), so one can flood the others.
 
+Two workloads whose prompts share prefixes, for prefix caching and for routing
+across replicas (chapter 12):
+
+* ``"multi-turn"``: conversations; each turn's prompt is the whole history
+  (earlier prompts and replies) plus a new user message;
+* ``"system-prompts"``: a few long system prompts, one of them (the first ones
+  more popular) ahead of each request's own user message.
+
 Output lengths are honoured with ``ignore_eos`` (as serving benchmarks do), so
 a workload fixes the schedule whatever tokens the model produces.
 """
@@ -158,8 +166,86 @@ def parse_clients(text: str) -> dict[str, float]:
     return out
 
 
+@dataclass(frozen=True)
+class MultiTurnSpec:
+    """Conversations of ``turns`` turns: the first user message, then a reply
+    (``output``) and a next user message (``follow_up``) per turn. Conversations
+    start at ``arrival_rate / mean turns`` per second (Poisson), from time 0,
+    so the stream reaches ``arrival_rate`` once the first conversations have
+    had their later turns (a few ``think_s``); a turn follows the one before
+    after ``think_s`` seconds plus an exponential wait of mean ``think_s`` (the
+    user reads, then types)."""
+    turns: LengthDist = Uniform(2, 6)
+    first: LengthDist = LogNormal(192, 0.6, 16, 1024)
+    follow_up: LengthDist = LogNormal(48, 0.8, 4, 256)
+    output: LengthDist = LogNormal(128, 0.6, 8, 384)
+    think_s: float = 2.0
+    description: str = ("multi-turn chat: 2-6 turns, each prompt the whole history; first message "
+                        "lognormal (median 192), follow-ups (median 48), replies (median 128)")
+
+
+@dataclass(frozen=True)
+class SystemPromptSpec:
+    """``num_prompts`` system prompts of ``system`` tokens; a request takes prompt
+    ``i`` with weight ``1 / (i + 1)`` (a few popular ones), then its own user
+    message (``user``) and asks for ``output`` tokens."""
+    num_prompts: int = 4
+    system: LengthDist = Uniform(1024, 2048)
+    user: LengthDist = LogNormal(96, 0.8, 8, 512)
+    output: LengthDist = LogNormal(128, 0.6, 8, 384)
+    description: str = ("a few long system prompts: 4 of 1024-2048 tokens (weights 1, 1/2, 1/3, 1/4), "
+                        "then a user message (median 96); outputs median 128")
+
+
+PREFIX_WORKLOADS: dict[str, MultiTurnSpec | SystemPromptSpec] = {
+    "multi-turn": MultiTurnSpec(),
+    "system-prompts": SystemPromptSpec(),
+}
+
+
+def _tokens(rng, n: int, vocab_size: int) -> list[int]:
+    return rng.integers(0, vocab_size, size=int(n)).tolist()
+
+
+def _make_multi_turn(spec: MultiTurnSpec, num_requests, rng, vocab_size, arrival_rate) -> list[RequestSpec]:
+    """The first ``num_requests`` turns of conversations, by arrival. A
+    turn's prompt holds the earlier replies as the workload drew them (a
+    simulated model's own tokens differ: a cache then holds the earlier
+    prompts, not the replies)."""
+    mean_turns = float(np.mean(spec.turns.sample(np.random.default_rng(0), 1000)))
+    # Stop once num_requests turns have arrived by the latest conversation's
+    # start: the turns taken are the first ones of the stream, none missing.
+    start, out, conv = 0.0, [], 0
+    while sum(s.arrival_time <= start for s in out) < num_requests:
+        if arrival_rate is not None:
+            start += float(rng.exponential(mean_turns / arrival_rate))
+        history, t = _tokens(rng, spec.first.sample(rng, 1)[0], vocab_size), start
+        for k in range(int(spec.turns.sample(rng, 1)[0])):
+            if k:
+                t += spec.think_s + float(rng.exponential(spec.think_s)) if arrival_rate is not None else 0.0
+                history = history + reply + _tokens(rng, spec.follow_up.sample(rng, 1)[0], vocab_size)
+            g = int(spec.output.sample(rng, 1)[0])
+            out.append(RequestSpec(list(history), g, t, client_id=f"conv-{conv}"))
+            reply = _tokens(rng, g, vocab_size)
+        conv += 1
+    out.sort(key=lambda s: s.arrival_time)
+    return out[:num_requests]
+
+
+def _make_system_prompts(spec: SystemPromptSpec, num_requests, rng, vocab_size, arrival_rate,
+                         burstiness) -> list[RequestSpec]:
+    systems = [_tokens(rng, n, vocab_size) for n in spec.system.sample(rng, spec.num_prompts)]
+    w = 1.0 / np.arange(1, spec.num_prompts + 1)
+    which = rng.choice(spec.num_prompts, size=num_requests, p=w / w.sum())
+    users, outputs = spec.user.sample(rng, num_requests), spec.output.sample(rng, num_requests)
+    arrivals = (np.cumsum(arrival_gaps(rng, num_requests, arrival_rate, burstiness))
+                if arrival_rate is not None else np.zeros(num_requests))
+    return [RequestSpec(systems[k] + _tokens(rng, u, vocab_size), int(g), float(t), request_class=f"system-{k}")
+            for k, u, g, t in zip(which, users, outputs, arrivals)]
+
+
 def workload_names() -> list[str]:
-    return sorted([*WORKLOADS, *CLASS_WORKLOADS])
+    return sorted([*WORKLOADS, *CLASS_WORKLOADS, *PREFIX_WORKLOADS])
 
 
 def slo_of(spec: RequestSpec, workload: str) -> tuple[float | None, float | None]:
@@ -203,12 +289,23 @@ def make_workload(name: str | WorkloadSpec, num_requests: int, seed: int = 0, vo
     per second) spreads arrivals over time with gaps from :func:`arrival_gaps`
     (``burstiness`` 1: Poisson); ``None`` means all at time 0.
     A class workload (``"mixed-classes"``) draws each request's class by its
-    share. ``clients`` (name -> requests/s) makes a multi-tenant workload instead
+    share. A prefix workload (``"multi-turn"``, ``"system-prompts"``) builds
+    prompts that share prefixes (:data:`PREFIX_WORKLOADS`); a multi-turn
+    request's ``client_id`` names its conversation, a system-prompt request's
+    ``request_class`` its system prompt. ``clients`` (name -> requests/s) makes a multi-tenant workload instead
     of ``arrival_rate``: lengths from ``name``, arrivals per client.
     """
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
     rng = np.random.default_rng(seed)
+    if isinstance(name, str) and name in PREFIX_WORKLOADS:
+        if clients:
+            raise ValueError(f"workload {name!r} has its own streams; --clients takes a length workload "
+                             f"({', '.join(WORKLOADS)})")
+        spec = PREFIX_WORKLOADS[name]
+        if isinstance(spec, MultiTurnSpec):
+            return _make_multi_turn(spec, num_requests, rng, vocab_size, arrival_rate)
+        return _make_system_prompts(spec, num_requests, rng, vocab_size, arrival_rate, burstiness)
     if isinstance(name, str) and name in CLASS_WORKLOADS:
         if clients:
             raise ValueError(f"workload {name!r} has classes; --clients takes a length workload "

@@ -20,7 +20,7 @@ LAYERS = [
     {"runner"},
     {"config", "trace", "metrics", "profiling", "workload", "machine_limit"},
     {"engine"},
-    {"llm", "async_llm", "bench", "sweep", "vs_transformers", "book"},
+    {"llm", "async_llm", "bench", "sweep", "vs_transformers", "book", "cluster"},
     {"cli", "__main__", ""},
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}

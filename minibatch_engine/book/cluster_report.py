@@ -1,0 +1,127 @@
+"""Runs, tables and figures for chapter 12 (many engines)."""
+from __future__ import annotations
+
+from typing import Mapping, Sequence
+
+from tqdm.auto import tqdm
+
+from ..cluster import simulate_cluster
+from ..cluster.disagg import simulate_disaggregated
+from ..sweep import distserve_goodput, steady_metrics
+from ..workload import Uniform, WorkloadSpec
+from . import plotting
+from .report import Table
+
+PD_WORKLOADS = {
+    "long prompts": WorkloadSpec(Uniform(1536, 2560), Uniform(64, 128), "prompts 1536-2560, outputs 64-128"),
+    "long outputs": WorkloadSpec(Uniform(128, 256), Uniform(384, 512), "prompts 128-256, outputs 384-512"),
+}
+SLO_PAIRS = {"tight TPOT": {"ttft": 1000, "tpot": 10}, "tight TTFT": {"ttft": 150, "tpot": 50}}
+DESIGNS = ("co-located", "disaggregated")
+
+
+def policy_table(runs: Mapping[str, Mapping]) -> Table:
+    """One line per router policy: cache hits, prefill work, latency, balance."""
+    return Table([[name, s["prefix_hit_rate"], s["prefill_tokens"], s["ttft_ms_p50"], s["ttft_ms_p99"],
+                   s["tpot_ms_p99"], s["load_imbalance"], " / ".join(str(r["requests"]) for r in s["per_replica"])]
+                  for name, s in runs.items()],
+                 ["router", "prefix hit rate", "prefill tokens computed", "TTFT p50 (ms)", "TTFT p99 (ms)",
+                  "TPOT p99 (ms)", "busiest / mean busy time", "requests per replica"], floatfmt=".2f")
+
+
+def pd_run(design: str, spec, rate: float, num_requests: int, link: str = "nvlink", **sim):
+    """One rate of one design on two GPUs: two co-located replicas behind a
+    least-requests router, or one prefill and one decode replica."""
+    if design == "co-located":
+        return simulate_cluster(2, "least-requests", spec, num_requests, arrival_rate=rate, **sim)
+    return simulate_disaggregated(1, 1, link, spec, num_requests, arrival_rate=rate, **sim)
+
+
+def pd_sweep(rates: Mapping[str, Sequence[float]], num_requests: int = 120, workloads=PD_WORKLOADS,
+             slos=SLO_PAIRS, progress: bool = True, **sim) -> list[dict]:
+    """Every (workload, rate, design): p90 TTFT and TPOT, and for each SLO pair
+    the steady-state attainment and goodput (chapter 8's keys)."""
+    jobs = [(w, r, d) for w in workloads for r in rates[w] for d in DESIGNS]
+    rows = []
+    for w, rate, design in tqdm(jobs, desc="P/D sweep", disable=not progress):
+        s, cluster = pd_run(design, workloads[w], rate, num_requests, **sim)
+        row = {"workload": w, "design": design, "rate": rate, "ttft_ms_p90": s["ttft_ms_p90"],
+               "tpot_ms_p90": s["tpot_ms_p90"], "kv_transfer_ms_mean": s.get("kv_transfer_ms_mean")}
+        for name, slo in slos.items():
+            m = steady_metrics(cluster.timings, goodput=slo)
+            row[f"attainment {name}"], row[f"goodput {name}"] = m["steady_slo_attainment"], m["steady_goodput"]
+        rows.append(row)
+    return rows
+
+
+def select(rows, workload: str, design: str) -> list[dict]:
+    return [r for r in rows if r["workload"] == workload and r["design"] == design]
+
+
+def distserve_per_gpu(rows, workload: str, design: str, slo: str, num_gpus: int = 2,
+                      attainment: float = 0.9) -> tuple[float, bool]:
+    """DistServe's goodput per GPU: the highest rate of the sweep at which
+    ``attainment`` of the requests met the SLO pair (and every lower rate
+    too), over the GPUs (0: not even the lowest); and whether that is the
+    sweep's highest rate (the true goodput may then be higher)."""
+    sel = select(rows, workload, design)
+    best = distserve_goodput(sel, attainment, key=f"attainment {slo}")
+    return (best or 0.0) / num_gpus, best == max(r["rate"] for r in sel)
+
+
+def pd_figure(rows, slos=SLO_PAIRS, workloads=PD_WORKLOADS, attainment: float = 0.9):
+    """Attainment against the rate, a panel per (workload, SLO pair), a line per design."""
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(len(workloads), len(slos), figsize=(9, 5.5), sharey=True)
+    plt.close(fig)
+    for i, w in enumerate(workloads):
+        for j, name in enumerate(slos):
+            ax = axes[i][j]
+            for d, color, style in zip(DESIGNS, ("#4C72B0", "#DD8452"), ("o-", "s--")):
+                sel = select(rows, w, d)
+                ax.plot([r["rate"] for r in sel], [r[f"attainment {name}"] for r in sel], style, color=color,
+                        label=d, ms=5)
+            ax.axhline(attainment, color="#8C8C8C", ls="--", lw=1)
+            slo = slos[name]
+            ax.set_title(f"{w}; TTFT ≤ {slo['ttft']} ms, TPOT ≤ {slo['tpot']} ms", fontsize=9)
+            ax.set_xlabel("request rate (req/s), 2 GPUs" if i == len(workloads) - 1 else "")
+            if j == 0:
+                ax.set_ylabel("met both SLOs")
+    axes[0][0].legend()
+    return fig
+
+
+def balance_figure(runs: Mapping[str, Mapping]):
+    """Requests per replica, a group of bars per router setting."""
+    fig, ax = plotting._axes(None, (7, 3))
+    names = list(runs)
+    n = len(runs[names[0]]["per_replica"])
+    width = 0.8 / n
+    for k in range(n):
+        ax.bar([i + k * width for i in range(len(names))], [runs[m]["per_replica"][k]["requests"] for m in names],
+               width, label=f"replica {k}")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names, fontsize=8)
+    ax.set_ylabel("requests routed")
+    ax.legend(fontsize=8, ncol=n)
+    return fig
+
+
+def glue_runs(prefix: str, runs: Mapping[str, Mapping], keys: Mapping[str, str]) -> None:
+    """Glue ``{prefix}_{name}_{short}`` for every run and every ``short: key``
+    (run names with spaces and commas become underscores)."""
+    from .glue import glue
+    for name, s in runs.items():
+        tag = name.replace(", ", "_").replace(" ", "_").replace("-", "_")
+        for short, key in keys.items():
+            glue(f"{prefix}_{tag}_{short}", s[key], display=False)
+
+
+def link_table(cost_model, prompt_tokens: int, links) -> tuple[Table, dict]:
+    """Seconds to move one prompt's KV over each link, beside its prefill's."""
+    nbytes = prompt_tokens * cost_model.kv_bytes_per_token
+    prefill_s = cost_model.step_time([(prompt_tokens, prompt_tokens)])
+    out = {name: link.transfer_seconds(nbytes) for name, link in links.items()}
+    table = Table([[name, link.bandwidth / 1e9, 1e3 * out[name], out[name] / prefill_s]
+                   for name, link in links.items()],
+                  ["link", "GB/s each way", "transfer (ms)", "share of the prefill's time"], floatfmt=".3f")
+    return table, {"bytes": nbytes, "prefill_s": prefill_s, **out}
