@@ -235,8 +235,9 @@ def _generate(args) -> int:
         print("note: 'tiny' has seeded random weights, so its text is noise (the same on every machine)",
               file=sys.stderr)
     for out in llm.generate(args.prompts, params, use_tqdm=not args.no_progress):
-        print(f"[{out.request_id}] {out.prompt!r} -> {out.text!r}  "
-              f"({len(out.token_ids)} tokens, finished: {out.finish_reason})")
+        c = out.outputs[0]
+        print(f"[{out.request_id}] {out.prompt!r} -> {c.text!r}  "
+              f"({len(c.token_ids)} tokens, finished: {c.finish_reason})")
     return 0
 
 
