@@ -82,8 +82,12 @@ async def _health(request):
 
 
 async def _version(request):
-    from .. import __version__
-    return web.json_response({"version": __version__})
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        v = version("minibatch-engine")
+    except PackageNotFoundError:            # run from a source tree
+        v = "unknown"
+    return web.json_response({"version": v})
 
 
 async def _metrics(request):
