@@ -373,14 +373,13 @@ class AsyncLLM:
         if decode is None:
             return None, False
         full = decode(st.request.output_token_ids[:st.sent])
+        if full.endswith("\ufffd") and not last:
+            return "", False
         cut = find_stop(full, st.stop) if st.stop else None
         if cut is not None:
-            full, last = full[:max(cut, len(st.text))], True
-        elif not last:
-            if full.endswith("\ufffd"):
-                return "", False
-            if st.stop:
-                full = full[:max(len(st.text), len(full) - holdback(st.stop))]
+            full = full[:max(cut, len(st.text))]
+        elif not last and st.stop:
+            full = full[:max(len(st.text), len(full) - holdback(st.stop))]
         delta, st.text = full[len(st.text):], full
         return delta, cut is not None
 

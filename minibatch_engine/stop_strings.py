@@ -26,8 +26,11 @@ def holdback(stops: Sequence[str]) -> int:
 
 def tokens_within(ids: Sequence[int], decode: Callable[[Sequence[int]], str], stops: Sequence[str]) -> int:
     """How many of ``ids`` the output keeps: up to and including the token whose
-    text completed the first stop string (all of them if none occurs)."""
+    text completed the first stop string (all of them if none occurs). A text
+    that ends in an incomplete character (U+FFFD) is not searched until the
+    character completes, as a stream would not show it."""
     for k in range(1, len(ids) + 1):
-        if find_stop(decode(ids[:k]), stops) is not None:
+        text = decode(ids[:k])
+        if (k == len(ids) or not text.endswith("\ufffd")) and find_stop(text, stops) is not None:
             return k
     return len(ids)

@@ -226,7 +226,7 @@ async def _stream(request, req, rid, prompts, jobs, model):
     try:
         async for i, out in _merged(request.app[LLM_KEY], rid, jobs, req.priority):
             tokens += out.token_id is not None
-            if out.text or out.finished:
+            if out.token_id is not None or out.finished:     # one chunk per token, as vLLM streams
                 await send(response(rid, model, [choice(i, out.text or "", out.finish_reason, req.chat,
                                                         delta=True)], req.chat, chunk=True, created=created))
     except (ValueError, TypeError) as e:         # refused by the engine after the headers went out

@@ -90,10 +90,14 @@ class PrometheusStatLogger:
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> ``{"name{labels}": value}`` (a reader for tests and clients)."""
+    """Prometheus text -> ``{'name{a="x",b="y"}': value}``, labels sorted by
+    name (a reader for tests and clients; label values without commas)."""
     out = {}
     for line in text.splitlines():
         if line and not line.startswith("#"):
             key, _, value = line.rpartition(" ")
+            if "{" in key:
+                name, labels = key[:-1].split("{", 1)
+                key = name + "{" + ",".join(sorted(labels.split(","))) + "}"
             out[key] = float(value)
     return out
