@@ -206,6 +206,14 @@ class AsyncLLM:
         if st is not None:
             self._abort_soon(st)
 
+    def abort_all(self) -> int:
+        """Abort every stream still running (each ends with ``finish_reason="abort"``);
+        returns how many. A server shutting down calls it once its drain time is up."""
+        streams = list(self._streams.values())
+        for st in streams:
+            self._abort_soon(st)
+        return len(streams)
+
     async def wait_idle(self) -> None:
         """Return once every submitted request and abort has been dealt with."""
         while self._inbox or self._aborts or self.engine.has_unfinished():
@@ -294,6 +302,9 @@ class AsyncLLM:
             self.engine.abort(req.request_id)   # frees its KV blocks now
             if self._streams.get(st.request_id) is not st:
                 st.request = None               # its consumer is gone: nothing to deliver
+                self._iteration.finished_requests.append(FinishedRequestStats(
+                    str(FinishReason.ABORT), st.num_prompt_tokens, st.sent,
+                    self.engine.wall_now() - st.submitted, st.queued))
                 self._forget(req)
         inbox, self._inbox = self._inbox, []
         for st, ids, params, text, priority in inbox:
@@ -389,6 +400,8 @@ class AsyncLLM:
             while True:
                 self._take_inbox()
                 self._dispatch()                # requests aborted or refused above end here
+                if self._iteration.finished_requests:
+                    self._log_stats()
                 if not self.engine.has_unfinished():
                     self._wake.clear()
                     if not (self._inbox or self._aborts):

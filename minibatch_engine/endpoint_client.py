@@ -153,6 +153,18 @@ async def open_loop_endpoint(url: str, specs: Sequence, model: str | None = None
     return records, name, before, after
 
 
+def _run(coro):
+    """``asyncio.run``, also from inside a running event loop (a notebook's):
+    there in a thread of its own."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(1) as pool:
+        return pool.submit(asyncio.run, coro).result()
+
+
 def bench_endpoint(url: str, model: str | None = None, workload: str = "uniform", num_requests: int = 64,
                    seed: int = 0, arrival_rate: float | None = None, burstiness: float = 1.0,
                    percentiles=DEFAULT_PERCENTILES, goodput=None, api_key: str = "EMPTY",
@@ -166,7 +178,7 @@ def bench_endpoint(url: str, model: str | None = None, workload: str = "uniform"
                           burstiness=burstiness)
     with tqdm(total=len(specs), desc=f"bench {_base(url)}", unit="req", disable=not progress,
               leave=False) as bar:
-        records, name, before, after = asyncio.run(open_loop_endpoint(url, specs, model, api_key, bar.update))
+        records, name, before, after = _run(open_loop_endpoint(url, specs, model, api_key, bar.update))
     return summarize_endpoint(records, specs, url=_base(url), model=name, workload=workload, seed=seed,
                               arrival_rate=arrival_rate, burstiness=burstiness, ps=ps, slo=slo,
                               server=(before, after))
@@ -211,7 +223,7 @@ def sweep_endpoint(url: str, rates: Sequence[float], model: str | None = None, j
             specs = make_workload(options.get("workload", "uniform"), options.get("num_requests", 64),
                                   seed=options.get("seed", 0), vocab_size=256, arrival_rate=rate,
                                   burstiness=options.get("burstiness", 1.0))
-            records, name, before, after = asyncio.run(
+            records, name, before, after = _run(
                 open_loop_endpoint(url, specs, model, options.get("api_key", "EMPTY")))
             row = summarize_endpoint(records, specs, url=_base(url), model=name,
                                      workload=options.get("workload", "uniform"), seed=options.get("seed", 0),

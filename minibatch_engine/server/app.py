@@ -33,21 +33,24 @@ STATE_KEY = web.AppKey("state", dict)
 
 
 def build_app(llm: AsyncLLM, model_name: str, max_waiting: int = 1024, chat_template=byte_level_chat,
-              metrics: PrometheusStatLogger | None = None) -> web.Application:
+              metrics: PrometheusStatLogger | None = None, shutdown_timeout: float = 30.0) -> web.Application:
     """The aiohttp application. ``llm``'s stat loggers get the Prometheus one.
     ``max_waiting``: a request that would make more than this many requests
-    wait is refused with 503. On cleanup the engine loop shuts down (any
-    request still running is aborted)."""
+    wait is refused with 503. On shutdown the requests in flight get
+    ``shutdown_timeout`` seconds to finish, then are aborted, and the engine
+    loop stops."""
     if metrics is None:
         metrics = PrometheusStatLogger(model_name)
     llm.stat_loggers.append(metrics)
     app = web.Application(middlewares=[_errors])
     app[LLM_KEY] = llm
     app[STATE_KEY] = {"model": model_name, "max_waiting": max_waiting, "chat_template": chat_template,
-                      "metrics": metrics, "created": int(time.time()), "in_flight": 0}
+                      "metrics": metrics, "created": int(time.time()), "in_flight": 0, "starting": 0,
+                      "drain_timeout": shutdown_timeout}
     app.add_routes([web.post("/v1/completions", _completions), web.post("/v1/chat/completions", _chat),
                     web.get("/v1/models", _models), web.get("/health", _health),
                     web.get("/metrics", _metrics), web.get("/version", _version)])
+    app.on_shutdown.append(_drain)
     app.on_cleanup.append(_shutdown)
     return app
 
@@ -61,6 +64,15 @@ async def _errors(request, handler):
         return web.json_response(e.body(), status=e.status, headers=headers)
     except (ValueError, TypeError) as e:            # the engine refused what the checks let through
         return web.json_response(APIError(str(e)).body(), status=400)
+
+
+async def _drain(app: web.Application) -> None:
+    """Let the requests in flight finish for up to ``drain_timeout`` seconds, then abort the rest."""
+    st = app[STATE_KEY]
+    deadline = time.monotonic() + st["drain_timeout"]
+    while st["in_flight"] and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    st["aborted_at_shutdown"] = app[LLM_KEY].abort_all()
 
 
 async def _shutdown(app: web.Application) -> None:
@@ -158,8 +170,9 @@ async def _generate(request, chat: bool):
     prompts = _encode(llm, req, st["chat_template"])
     if llm._error is not None:
         raise APIError("the engine loop has failed", status=503)
-    if llm.num_waiting + len(prompts) * req.n > st["max_waiting"]:
-        raise APIError(f"the server is busy: {llm.num_waiting} requests are waiting (the bound is "
+    waiting = llm.num_waiting + st["starting"]
+    if waiting + len(prompts) * req.n > st["max_waiting"]:
+        raise APIError(f"the server is busy: {waiting} requests are waiting (the bound is "
                        f"{st['max_waiting']}); retry later", status=503)
     if not req.max_tokens_given and chat:      # chat: the room left (vLLM's default)
         import dataclasses
@@ -167,25 +180,33 @@ async def _generate(request, chat: bool):
     rid = new_id(chat)
     jobs = [(i * req.n + k, ids, req.choice_params(k)) for i, ids in enumerate(prompts) for k in range(req.n)]
     st["in_flight"] += 1
+    st["starting"] += len(jobs)         # admitted, not yet in the engine's inbox (see _merged)
     try:
         if req.stream:
-            return await _stream(request, req, rid, prompts, jobs, st["model"])
-        return await _whole(req, rid, prompts, jobs, st["model"], llm)
+            return await _stream(request, req, rid, prompts, jobs, st)
+        return await _whole(req, rid, prompts, jobs, st, llm)
     finally:
         st["in_flight"] -= 1
 
 
-async def _merged(llm: AsyncLLM, rid: str, jobs, priority: int) -> AsyncIterator[tuple[int, StreamOutput]]:
+async def _merged(llm: AsyncLLM, rid: str, jobs, priority: int, st: dict) -> AsyncIterator[tuple[int, StreamOutput]]:
     """Every choice's outputs as they come, tagged with the choice's index.
     Leaving early (or being cancelled) cancels every choice's stream."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index, ids, params):
+        counted = True
         try:
-            async for out in llm.stream(ids, params, request_id=f"{rid}-{index}", priority=priority):
+            outs = llm.stream(ids, params, request_id=f"{rid}-{index}", priority=priority)
+            st["starting"] -= 1                 # the first step of the loop below puts it in the inbox,
+            counted = False                     # with no await in between: the count stays exact
+            async for out in outs:
                 queue.put_nowait((index, out))
         except Exception as e:                  # noqa: BLE001  (handed to the consumer)
             queue.put_nowait((index, e))
+        finally:
+            if counted:                         # cancelled before it started
+                st["starting"] -= 1
     tasks = [asyncio.create_task(pump(*job)) for job in jobs]
     try:
         left = len(tasks)
@@ -201,9 +222,10 @@ async def _merged(llm: AsyncLLM, rid: str, jobs, priority: int) -> AsyncIterator
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _whole(req, rid, prompts, jobs, model, llm):
+async def _whole(req, rid, prompts, jobs, st, llm):
+    model = st["model"]
     texts, counts, reasons = {}, {}, {}
-    async for i, out in _merged(llm, rid, jobs, req.priority):
+    async for i, out in _merged(llm, rid, jobs, req.priority, st):
         texts[i] = texts.get(i, "") + (out.text or "")
         counts[i] = counts.get(i, 0) + (out.token_id is not None)
         if out.finished:
@@ -213,7 +235,8 @@ async def _whole(req, rid, prompts, jobs, model, llm):
                                       usage_=usage(sum(map(len, prompts)), sum(counts.values()))))
 
 
-async def _stream(request, req, rid, prompts, jobs, model):
+async def _stream(request, req, rid, prompts, jobs, st):
+    model = st["model"]
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)
     created, tokens = int(time.time()), 0
@@ -224,7 +247,7 @@ async def _stream(request, req, rid, prompts, jobs, model):
         await send(response(rid, model, [choice(i, "", None, True, delta=True, first=True)
                                          for i in range(len(jobs))], True, chunk=True, created=created))
     try:
-        async for i, out in _merged(request.app[LLM_KEY], rid, jobs, req.priority):
+        async for i, out in _merged(request.app[LLM_KEY], rid, jobs, req.priority, st):
             tokens += out.token_id is not None
             if out.token_id is not None or out.finished:     # one chunk per token, as vLLM streams
                 await send(response(rid, model, [choice(i, out.text or "", out.finish_reason, req.chat,

@@ -38,13 +38,15 @@ def _log(msg: str) -> None:
 
 def _on_shutdown_report(app: web.Application) -> None:
     async def draining(app):
-        _log(f"shutting down: {app[STATE_KEY]['in_flight']} HTTP requests in flight drain (or are aborted)")
+        st = app[STATE_KEY]
+        _log(f"shutting down: {st['in_flight']} HTTP requests in flight get {st['drain_timeout']:g} s to finish")
 
     async def done(app):
         eng = app[LLM_KEY].engine
         left = sum(not r.is_finished for r in eng.requests.values())
+        _log(f"aborted {app[STATE_KEY].get('aborted_at_shutdown', 0)} streams still running after the drain")
         _log(f"stopped: {left} engine requests unfinished, {eng.kv_cache.num_used_blocks} KV blocks held")
-    app.on_shutdown.append(draining)
+    app.on_shutdown.insert(0, draining)    # before build_app's drain
     app.on_cleanup.append(done)            # after build_app's own cleanup (the engine's shutdown)
 
 
@@ -52,6 +54,7 @@ def serve(app: web.Application, host: str = "127.0.0.1", port: int = 8000,
           shutdown_timeout: float = 30.0) -> None:
     """Run in the foreground until SIGTERM or SIGINT (the module doc)."""
     _on_shutdown_report(app)
+    app[STATE_KEY]["drain_timeout"] = shutdown_timeout
     _log(f"serving {app[STATE_KEY]['model']!r} on http://{host}:{port}/v1")
     web.run_app(app, host=host, port=port, shutdown_timeout=shutdown_timeout, handler_cancellation=True,
                 print=None, access_log=None)
@@ -88,6 +91,7 @@ class ServerThread:
     def _main(self) -> None:
         asyncio.set_event_loop(self.loop)
         try:
+            self.app[STATE_KEY]["drain_timeout"] = self.shutdown_timeout
             self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
                                         shutdown_timeout=self.shutdown_timeout)
             self.loop.run_until_complete(self.runner.setup())

@@ -252,6 +252,7 @@ def test_sigterm_drains_then_aborts_and_exits_cleanly(tmp_path):
     finally:
         proc.kill()
     assert proc.returncode == 0, err
+    assert "aborted 2 streams still running after the drain" in err
     assert "stopped: 0 engine requests unfinished, 0 KV blocks held" in err
     assert results[2] == 3                      # the short one finished
 
