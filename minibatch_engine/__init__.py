@@ -2,7 +2,8 @@
 
 Front doors: ``LLM(model).generate(prompts, SamplingParams(...))`` (offline),
 ``AsyncLLM(model).stream(prompt, params)`` (online, streaming) and
-``python -m minibatch_engine {generate,bench,simulate,sweep}``.
+``python -m minibatch_engine {generate,bench,simulate,sweep,serve}`` (``serve``:
+OpenAI's HTTP API, :mod:`minibatch_engine.server`).
 """
 from .async_llm import AsyncLLM, StreamOutput
 from .config import EngineConfig

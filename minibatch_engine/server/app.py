@@ -174,9 +174,10 @@ async def _generate(request, chat: bool):
     if waiting + len(prompts) * req.n > st["max_waiting"]:
         raise APIError(f"the server is busy: {waiting} requests are waiting (the bound is "
                        f"{st['max_waiting']}); retry later", status=503)
-    if not req.max_tokens_given and chat:      # chat: the room left (vLLM's default)
+    if not req.max_tokens_given:               # chat: the room left (vLLM's default); completions: 16 if it fits
         import dataclasses
-        req.params = dataclasses.replace(req.params, max_tokens=_limit(llm) - max(len(p) for p in prompts))
+        room = _limit(llm) - max(len(p) for p in prompts)
+        req.params = dataclasses.replace(req.params, max_tokens=room if chat else min(16, room))
     rid = new_id(chat)
     jobs = [(i * req.n + k, ids, req.choice_params(k)) for i, ids in enumerate(prompts) for k in range(req.n)]
     st["in_flight"] += 1
