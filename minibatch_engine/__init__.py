@@ -2,19 +2,20 @@
 
 Front doors: ``LLM(model).generate(prompts, SamplingParams(...))`` (offline),
 ``AsyncLLM(model).stream(prompt, params)`` (online, streaming) and
-``python -m minibatch_engine {generate,bench,simulate,sweep}``.
+``python -m minibatch_engine {generate,bench,simulate,sweep,serve}`` (``serve``:
+OpenAI's HTTP API, :mod:`minibatch_engine.server`).
 """
 from .async_llm import AsyncLLM, StreamOutput
 from .config import EngineConfig
 from .engine import Engine
-from .llm import LLM, RequestOutput
+from .llm import LLM, CompletionOutput, RequestOutput
 from .model import ModelConfig, build_model, get_preset, load_model, reference_generate
 from .request import Request, RequestStatus
 from .sampling import SamplingParams
 from .speculative.config import SpeculativeConfig
 from .workload import make_workload
 
-__all__ = ["LLM", "RequestOutput", "AsyncLLM", "StreamOutput", "SamplingParams", "Engine", "EngineConfig",
+__all__ = ["LLM", "RequestOutput", "CompletionOutput", "AsyncLLM", "StreamOutput", "SamplingParams", "Engine", "EngineConfig",
            "SpeculativeConfig", "Request",
            "RequestStatus", "ModelConfig", "build_model", "get_preset", "load_model",
            "reference_generate", "make_workload"]

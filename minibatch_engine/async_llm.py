@@ -20,6 +20,12 @@ between steps, by the loop task, which is why it needs no lock: ``stream`` and
 its EngineCore in another *process*, talking over ZeroMQ, so that detokenising
 and HTTP never steal the GIL from the scheduler.)
 
+Stop strings (``SamplingParams.stop``) are checked here, on the text handed
+out, as vLLM checks them in its front end: a stream that produces one ends with
+``finish_reason="stop"`` and its request is aborted in the engine. After every
+step the loop reports to its ``stat_loggers`` (:mod:`minibatch_engine.engine_stats`):
+the server's Prometheus metrics are one.
+
 Cancelling a consumer (``task.cancel()``, or leaving the ``async for`` and
 closing the generator) aborts its request: the loop calls ``Engine.abort``
 before the next step, which returns the request's KV blocks at once, whether
@@ -41,10 +47,12 @@ from typing import AsyncIterator, Callable, Sequence
 
 from .config import EngineConfig
 from .engine import Engine
+from .engine_stats import FinishedRequestStats, IterationStats, SchedulerStats
 from .inputs import as_token_ids, check_arrival_time, encode_text
 from .metrics import RequestTiming
 from .request import FinishReason, Request
 from .sampling import SamplingParams
+from .stop_strings import find_stop, holdback
 from .trace import Trace
 
 
@@ -75,6 +83,11 @@ class _Stream:
     request: Request | None = None
     sent: int = 0                   # output tokens handed to the consumer so far
     text: str = ""                  # text handed out so far
+    stop: tuple = ()                # stop strings
+    submitted: float = 0.0          # engine wall clock at submission
+    last_token: float | None = None # engine wall clock of the last token handed out
+    queued: float | None = None     # submission -> first scheduled step, seconds
+    num_prompt_tokens: int = 0
 
 
 class AsyncLLM:
@@ -91,11 +104,14 @@ class AsyncLLM:
     last ``history`` steps, and each request is forgotten (by the scheduler and
     its policy) once its stream has ended, so memory stays bounded however many
     requests pass through; the per-request metrics, which need the whole trace,
-    then refuse it."""
+    then refuse it.
+
+    ``stat_loggers``: objects with ``record(SchedulerStats, IterationStats)``
+    (:mod:`minibatch_engine.engine_stats`), called after every step."""
 
     def __init__(self, model="tiny", tokenizer=None, device: str = "auto", dtype: str = "float32",
                  seed: int = 0, step_in_thread: bool = True, history: int | None = None,
-                 **engine_options):
+                 stat_loggers: Sequence = (), **engine_options):
         from .model.registry import resolve_model, tokenizer_for
         config = EngineConfig().with_overrides(**engine_options)
         self.model = resolve_model(model, device=device, dtype=dtype, seed=seed)
@@ -109,20 +125,24 @@ class AsyncLLM:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._streams: dict[str, _Stream] = {}
         # notes for the loop, keyed by the stream object (an id may be reused once forgotten)
-        self._inbox: list[tuple[_Stream, list[int], SamplingParams, str | None]] = []
+        self._inbox: list[tuple[_Stream, list[int], SamplingParams, str | None, int]] = []
         self._aborts: list[_Stream] = []
         self._ids = itertools.count()
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
         self._error: BaseException | None = None
         self._closed = False
+        self.stat_loggers = list(stat_loggers)
+        self._iteration = IterationStats()
+        self._last_logged_step = None
 
     # --- the public door -------------------------------------------------------
     async def stream(self, prompt, sampling_params: SamplingParams | None = None,
-                     request_id: str | None = None) -> AsyncIterator[StreamOutput]:
+                     request_id: str | None = None, priority: int = 0) -> AsyncIterator[StreamOutput]:
         """Submit a request and yield each new token as the engine produces it.
         The request is submitted when iteration starts; leaving early or
-        cancelling the consumer aborts it. Every stream of one ``AsyncLLM``
+        cancelling the consumer aborts it. ``priority`` (lower runs first)
+        matters for ``policy="priority"``. Every stream of one ``AsyncLLM``
         must come from the same event loop while its engine loop runs."""
         if self._closed:
             raise RuntimeError("this AsyncLLM has been shut down: create a new one")
@@ -132,13 +152,18 @@ class AsyncLLM:
         if params.n != 1:
             raise ValueError(f"stream() serves one sequence per request, got n={params.n}; "
                              "use LLM.generate for parallel sampling")
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise TypeError(f"priority must be an integer, got {priority!r}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need text: this model has no tokenizer (use stop_token_ids)")
         ids, text = self._encode(prompt)
         rid = str(request_id) if request_id is not None else f"stream-{next(self._ids)}"
         if rid in self._streams:
             raise ValueError(f"request_id {rid!r} is already streaming")
         self._start_loop()
-        st = self._streams[rid] = _Stream(rid, asyncio.Queue())
-        self._inbox.append((st, ids, params, text))
+        st = self._streams[rid] = _Stream(rid, asyncio.Queue(), stop=params.stop,
+                                          submitted=self.engine.wall_now(), num_prompt_tokens=len(ids))
+        self._inbox.append((st, ids, params, text, priority))
         self._wake.set()
         done = False
         try:
@@ -159,6 +184,20 @@ class AsyncLLM:
 
     generate = stream       # vLLM's name for the same async generator
 
+    @property
+    def num_waiting(self) -> int:
+        """Requests submitted and not yet computing: in the inbox, or waiting in
+        the scheduler (preempted ones included). A server refuses new work past a bound."""
+        sched = self.engine.scheduler
+        return len(self._inbox) + len(getattr(sched, "waiting", ())) + len(getattr(sched, "swapped", ()))
+
+    def scheduler_stats(self) -> SchedulerStats:
+        """The gauges now (:class:`~minibatch_engine.engine_stats.SchedulerStats`)."""
+        sched, kv = self.engine.scheduler, self.engine.kv_cache
+        running = len(getattr(sched, "running", ())) if hasattr(sched, "running") else \
+            sum(not r.is_finished and r.first_scheduled_step is not None for r in sched.requests.values())
+        return SchedulerStats(running, self.num_waiting, kv.num_used_blocks / max(1, kv.num_blocks))
+
     async def abort(self, request_id: str) -> None:
         """End a request from outside; its stream yields a last output with
         ``finish_reason="abort"`` and its KV memory is freed before the next step."""
@@ -166,6 +205,14 @@ class AsyncLLM:
         st = self._streams.get(str(request_id))
         if st is not None:
             self._abort_soon(st)
+
+    def abort_all(self) -> int:
+        """Abort every stream still running (each ends with ``finish_reason="abort"``);
+        returns how many. A server shutting down calls it once its drain time is up."""
+        streams = list(self._streams.values())
+        for st in streams:
+            self._abort_soon(st)
+        return len(streams)
 
     async def wait_idle(self) -> None:
         """Return once every submitted request and abort has been dealt with."""
@@ -255,34 +302,69 @@ class AsyncLLM:
             self.engine.abort(req.request_id)   # frees its KV blocks now
             if self._streams.get(st.request_id) is not st:
                 st.request = None               # its consumer is gone: nothing to deliver
+                self._iteration.finished_requests.append(FinishedRequestStats(
+                    str(FinishReason.ABORT), st.num_prompt_tokens, st.sent,
+                    self.engine.wall_now() - st.submitted, st.queued))
                 self._forget(req)
         inbox, self._inbox = self._inbox, []
-        for st, ids, params, text in inbox:
+        for st, ids, params, text, priority in inbox:
             rid = st.request_id
             try:
-                st.request = self.engine.add_request(ids, params, request_id=rid, prompt_text=text)
+                st.request = self.engine.add_request(ids, params, request_id=rid, prompt_text=text,
+                                                     priority=priority)
             except (ValueError, TypeError) as e:
                 st.queue.put_nowait(e)
 
     def _dispatch(self) -> None:
         """Hand every stream the tokens its request gained in the last step."""
         decode = self.tokenizer.decode if self.tokenizer is not None else None
+        now, it = self.engine.wall_now(), self._iteration
         for st in list(self._streams.values()):
             req = st.request
             if req is None:
                 continue
-            new = req.output_token_ids[st.sent:]
+            if st.queued is None and req.first_scheduled_step is not None and len(self.engine.trace):
+                st.queued = max(0.0, self.engine.trace[-1].wall_start - st.submitted)
+            new, reason = req.output_token_ids[st.sent:], None
             for i, tok in enumerate(new):
                 st.sent += 1
+                if st.last_token is None:
+                    it.time_to_first_tokens.append(now - st.submitted)
+                    it.num_prompt_tokens += st.num_prompt_tokens
+                else:
+                    it.inter_token_latencies.append(now - st.last_token)
+                st.last_token = now
+                it.num_generation_tokens += 1
                 last = req.is_finished and i == len(new) - 1
-                st.queue.put_nowait(StreamOutput(req.request_id, tok, self._text_delta(st, decode, last), st.sent,
-                                                 str(req.finish_reason) if last else None))
-            if req.is_finished and not new:      # ended without a new token: aborted
-                st.queue.put_nowait(StreamOutput(req.request_id, None, "" if decode else None, st.sent,
-                                                 str(req.finish_reason or FinishReason.ABORT)))
-            if req.is_finished:
+                text, stopped = self._text_delta(st, decode, last)
+                reason = "stop" if stopped else str(req.finish_reason) if last else None
+                st.queue.put_nowait(StreamOutput(req.request_id, tok, text, st.sent, reason))
+                if stopped:                     # a stop string: the engine need not go on
+                    if not req.is_finished:
+                        self.engine.abort(req.request_id)
+                    break
+            if reason is None and req.is_finished:     # ended without a new token: aborted
+                reason = str(req.finish_reason or FinishReason.ABORT)
+                st.queue.put_nowait(StreamOutput(req.request_id, None, "" if decode else None, st.sent, reason))
+            if reason is not None:
+                it.finished_requests.append(FinishedRequestStats(
+                    reason, st.num_prompt_tokens, st.sent, now - st.submitted, st.queued))
                 st.request = None                # nothing more will come
                 self._forget(req)
+
+    def _log_stats(self) -> None:
+        """Report the step to every stat logger."""
+        if not self.stat_loggers:
+            self._iteration = IterationStats()
+            return
+        it, self._iteration = self._iteration, IterationStats()
+        trace = self.engine.trace
+        if len(trace) and trace[-1].step != self._last_logged_step:    # (an empty step records nothing)
+            self._last_logged_step = trace[-1].step
+            it.num_preemptions = len(trace[-1].preempted)
+        stats = self.scheduler_stats()
+        for logger in self.stat_loggers:
+            logger.record(stats, it)
 
     def _holds(self, req: Request) -> bool:
         """``req`` is the engine's request under its id (not one forgotten since)."""
@@ -294,16 +376,23 @@ class AsyncLLM:
             self.engine.forget(req.request_id)
 
     @staticmethod
-    def _text_delta(st: _Stream, decode, last: bool) -> str | None:
+    def _text_delta(st: _Stream, decode, last: bool) -> tuple[str | None, bool]:
         """Incremental detokenisation: decode everything, hand out what is new,
-        holding back a trailing incomplete character (U+FFFD) until it completes."""
+        holding back a trailing incomplete character (U+FFFD) until it completes,
+        and, with stop strings, the last characters that may start one. Returns
+        (the new text, whether a stop string ended it)."""
         if decode is None:
-            return None
+            return None, False
         full = decode(st.request.output_token_ids[:st.sent])
         if full.endswith("\ufffd") and not last:
-            return ""
+            return "", False
+        cut = find_stop(full, st.stop) if st.stop else None
+        if cut is not None:
+            full = full[:max(cut, len(st.text))]
+        elif not last and st.stop:
+            full = full[:max(len(st.text), len(full) - holdback(st.stop))]
         delta, st.text = full[len(st.text):], full
-        return delta
+        return delta, cut is not None
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -311,6 +400,8 @@ class AsyncLLM:
             while True:
                 self._take_inbox()
                 self._dispatch()                # requests aborted or refused above end here
+                if self._iteration.finished_requests:
+                    self._log_stats()
                 if not self.engine.has_unfinished():
                     self._wake.clear()
                     if not (self._inbox or self._aborts):
@@ -322,6 +413,7 @@ class AsyncLLM:
                     self.engine.step()
                     await asyncio.sleep(0)
                 self._dispatch()
+                self._log_stats()
         except asyncio.CancelledError:
             raise
         except Exception as e:                  # the engine failed: every stream learns it

@@ -255,6 +255,8 @@ def format_report(summary: dict, simulated: bool = False) -> str:
     """The summary as a short grouped table a person reads (every key is in the
     JSON). Latencies name their clock: simulated seconds, or wall seconds."""
     s = summary
+    if s.get("endpoint"):
+        return _table(_endpoint_groups(s))
     clock = "sim_seconds" if simulated or s.get("sim_seconds") is not None else "seconds"
     pk = [k[len("ttft_ms_"):] for k in s if k.startswith("ttft_ms_p")]
     clock_name = f"simulated {s.get('sim_gpu')}" if clock == "sim_seconds" else "wall clock"
@@ -305,12 +307,46 @@ def format_report(summary: dict, simulated: bool = False) -> str:
     if per:
         title = f"per {'class' if 'per_class' in s else 'client'} ({clock_name}; TTFT, E2E p50 / p99)"
         groups.append((title, [(name, _group_line(g)) for name, g in per.items()]))
+    return _table(groups)
+
+
+def _table(groups) -> str:
     width = max(len(k) for _, rows in groups for k, _ in rows)
     lines = []
     for title, rows in groups:
         lines.append(title)
         lines += [f"  {k:<{width}}  {v}" for k, v in rows]
     return "\n".join(lines)
+
+
+def _latency_rows(s: dict) -> list:
+    pk = [k[len("ttft_ms_"):] for k in s if k.startswith("ttft_ms_p")]
+    return [(name, " / ".join(_fmt(s.get(f"{key}_ms_{p}")) for p in pk))
+            for name, key in (("TTFT", "ttft"), ("TPOT", "tpot"), ("ITL", "itl"), ("E2EL", "e2el"))]
+
+
+def _endpoint_groups(s: dict) -> list:
+    """The report of a run against a server (``bench --endpoint``): what a client can see."""
+    pk = [k[len("ttft_ms_"):] for k in s if k.startswith("ttft_ms_p")]
+    rate = "all at time 0" if s.get("arrival_rate") is None else f"{_fmt(s['arrival_rate'])} requests/s"
+    finished = f"{_fmt(s['finished_requests'])} requests, {_fmt(s['output_tokens'])} output tokens"
+    if s.get("failed_requests"):
+        finished += f", {s['failed_requests']} failed ({s.get('first_error')})"
+    groups = [
+        ("workload", [("endpoint", f"{s['endpoint']} (model {s['model']})"),
+                      ("workload", f"{s['workload']}, {s['num_requests']} requests, seed {s['seed']}, "
+                                   f"arrivals {rate}"),
+                      ("finished", finished)]),
+        ("throughput (wall clock, as the client saw it)", [
+            ("output tokens/s", _fmt(s.get("output_throughput"))),
+            ("requests/s", _fmt(s.get("request_throughput"))), *_goodput_row(s)]),
+        (f"latency (wall clock, ms, {' / '.join(pk)})", _latency_rows(s))]
+    server = [(name, _fmt(int(s[k]))) for name, k in (
+        ("preemptions", "server_num_preemptions_total"), ("prompt tokens", "server_prompt_tokens_total"),
+        ("generation tokens", "server_generation_tokens_total")) if k in s]
+    if server:
+        groups.append(("the server's own counters (/metrics), during the run", server))
+    return groups
 
 
 def _limit_line(s: dict) -> str:

@@ -1,4 +1,4 @@
-"""``python -m minibatch_engine {generate,bench,simulate,sweep}`` (also ``minibatch-engine``).
+"""``python -m minibatch_engine {generate,bench,simulate,sweep,serve}`` (also ``minibatch-engine``).
 
 Every user error (a bad option value, a missing checkpoint, an impossible
 configuration) prints ``error: ...`` and exits with status 2.
@@ -78,22 +78,40 @@ def _metric_args(p: argparse.ArgumentParser) -> None:
                    help="SLOs for goodput, vLLM's syntax: ttft:MS tpot:MS e2el:MS")
 
 
-def _bench_args(p: argparse.ArgumentParser, simulate: bool, sweep: bool = False) -> None:
+def _bench_args(p: argparse.ArgumentParser, simulate: bool, sweep: bool = False, serve: bool = False) -> None:
+    """The options of bench, simulate and sweep; ``serve``: the engine options alone."""
     p.add_argument("--scheduler", choices=SCHEDULER_NAMES, default="continuous",
                    help="static (padded batches) or continuous (iteration-level)")
+    p.add_argument("--max-batch", type=int, default=256, help="most sequences per step (max_num_seqs)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + output (default: min(model max_position, 1024))")
+    if serve:
+        _engine_args(p, simulate)
+        _model_args(p)
+        return
+    if not simulate:
+        p.add_argument("--endpoint", metavar="URL", default=None,
+                       help="measure this OpenAI-compatible server instead (e.g. http://127.0.0.1:8000: "
+                            "minibatch-engine serve, vLLM, SGLang): the same workload, streamed over HTTP, "
+                            "on the wall clock; the engine options are then the server's business")
+        p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "EMPTY"),
+                       help="with --endpoint: the bearer token (default: $OPENAI_API_KEY)")
     p.add_argument("--workload", choices=workload_names(), default="uniform",
                    help="prompt/output length distribution; mixed-classes: an interactive class (short, "
                         "priority 0) and a batch class (long, priority 1)")
     p.add_argument("--num-requests", type=positive_int, default=64, help="requests in the workload")
-    p.add_argument("--max-batch", type=int, default=256, help="most sequences per step (max_num_seqs)")
-    p.add_argument("--max-model-len", type=int, default=None,
-                   help="longest prompt + output (default: min(model max_position, 1024))")
     p.add_argument("--seed", type=seed_int, default=0, help="workload seed")
     if not sweep:
         p.add_argument("--arrival-rate", type=positive_float, default=None,
                        help="Poisson arrivals in requests/s (default: all at time 0)")
     p.add_argument("--burstiness", type=positive_float, default=1.0,
                    help="with --arrival-rate: gamma-distributed gaps of this shape (1 = Poisson, smaller = burstier)")
+    _sim_args(p, simulate)
+    _engine_args(p, simulate)
+    _workload_tail(p, simulate, sweep)
+
+
+def _sim_args(p: argparse.ArgumentParser, simulate: bool) -> None:
     gpus = [g.name for g in GPUS.values()]
     p.add_argument("--sim-gpu", choices=gpus, default="H100-SXM" if simulate else None,
                    help="time every step with the simulator's cost model of this GPU (operators as measured)")
@@ -101,6 +119,10 @@ def _bench_args(p: argparse.ArgumentParser, simulate: bool, sweep: bool = False)
                    help="model shape the simulator prices")
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="simulator only: tensor parallelism over N GPUs (weights, KV heads, projections sharded)")
+
+
+def _engine_args(p: argparse.ArgumentParser, simulate: bool) -> None:
+    """KV cache, token budget, preemption, policy, speculative decoding."""
     p.add_argument("--kv", choices=KV_LAYOUTS, default=None,
                    help="KV cache layout (default: paged; reserved with --scheduler static)")
     p.add_argument("--kv-budget", type=int, default=None, metavar="BYTES",
@@ -120,16 +142,6 @@ def _bench_args(p: argparse.ArgumentParser, simulate: bool, sweep: bool = False)
                         "preemption), fair (VTC between clients)")
     p.add_argument("--priority-aging-s", type=positive_float, default=None, metavar="S",
                    help="priority policy: a request gains one priority level per S seconds in the system")
-    p.add_argument("--clients", type=_checked(parse_clients, lambda v: True, "NAME:RATE,... (e.g. a:8,b:1)"),
-                   default=None, metavar="NAME:RATE,...",
-                   help="multi-tenant workload: a Poisson stream per client, e.g. a:8,b:1,c:1 "
-                        "(requests/s; replaces --arrival-rate)")
-    for flag, what, field, default in (("--slo-ttft-ms", "TTFT", "slo_ttft_s", DEFAULT_SLO_TTFT_S),
-                                       ("--slo-e2e-ms", "end-to-end", "slo_e2e_s", DEFAULT_SLO_E2E_S)):
-        classes = "; ".join(f"{c.name} {getattr(c, field) * 1e3:g}" for c in CLASS_WORKLOADS["mixed-classes"])
-        p.add_argument(flag, type=positive_float, default=None, metavar="MS",
-                       help=f"{what} target of every request; when not given, each class's own "
-                            f"({classes}; tenants {default * 1e3:g})")
     p.add_argument("--speculative-method", choices=SPEC_METHODS, default=None,
                    help="speculative decoding: n-gram prompt lookup or a draft model (default: off)")
     p.add_argument("--num-speculative-tokens", type=positive_int, default=3, metavar="K",
@@ -140,6 +152,19 @@ def _bench_args(p: argparse.ArgumentParser, simulate: bool, sweep: bool = False)
     else:
         p.add_argument("--draft-model", default="tiny",
                        help="draft model for --speculative-method draft_model ('tiny' or a checkpoint directory)")
+
+
+def _workload_tail(p: argparse.ArgumentParser, simulate: bool, sweep: bool) -> None:
+    p.add_argument("--clients", type=_checked(parse_clients, lambda v: True, "NAME:RATE,... (e.g. a:8,b:1)"),
+                   default=None, metavar="NAME:RATE,...",
+                   help="multi-tenant workload: a Poisson stream per client, e.g. a:8,b:1,c:1 "
+                        "(requests/s; replaces --arrival-rate)")
+    for flag, what, field, default in (("--slo-ttft-ms", "TTFT", "slo_ttft_s", DEFAULT_SLO_TTFT_S),
+                                       ("--slo-e2e-ms", "end-to-end", "slo_e2e_s", DEFAULT_SLO_E2E_S)):
+        classes = "; ".join(f"{c.name} {getattr(c, field) * 1e3:g}" for c in CLASS_WORKLOADS["mixed-classes"])
+        p.add_argument(flag, type=positive_float, default=None, metavar="MS",
+                       help=f"{what} target of every request; when not given, each class's own "
+                            f"({classes}; tenants {default * 1e3:g})")
     _metric_args(p)
     if sweep:
         p.add_argument("--rates", required=True, metavar="R,R,...", help="request rates to run (requests/s)")
@@ -212,6 +237,21 @@ def build_parser() -> argparse.ArgumentParser:
                                     "With --sim-gpu the simulator alone; without, the real model on the wall "
                                     "clock through AsyncLLM (an open-loop client).")
     _bench_args(sw, False, sweep=True)
+    sv = sub.add_parser("serve", formatter_class=FORMATTER, help="serve OpenAI's API over HTTP",
+                        description="An OpenAI-compatible HTTP server (as vLLM serves the API): POST "
+                                    "/v1/completions and /v1/chat/completions (streaming or not), GET /v1/models, "
+                                    "/health, /metrics (Prometheus). SIGTERM drains, then exits.")
+    sv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    sv.add_argument("--port", type=_checked(int, lambda v: 0 <= v < 65536, "a port in [0, 65535]"),
+                    default=8000, help="TCP port")
+    sv.add_argument("--served-model-name", default=None, help="the model's name in the API (default: --model)")
+    sv.add_argument("--max-waiting-requests", type=positive_int, default=1024, metavar="N",
+                    help="answer 503 (with Retry-After) rather than let more than N requests wait")
+    sv.add_argument("--chat-template", default=None, metavar="PATH",
+                    help="a Jinja chat template (default: the checkpoint's own, else the byte-level layout)")
+    sv.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0, metavar="S",
+                    help="on SIGTERM, seconds the requests in flight may take to finish before they are aborted")
+    _bench_args(sv, False, serve=True)
     return parser
 
 
@@ -228,6 +268,8 @@ def main(argv=None) -> int:
             return _sweep(args)
         if args.command == "simulate" and _is_cluster(args):
             return _cluster(args)
+        if args.command == "serve":
+            return _serve(args)
         return _bench(args, simulate=args.command == "simulate")
     except (ValueError, TypeError, KeyError, OSError, NotImplementedError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
@@ -262,15 +304,16 @@ def _generate(args) -> int:
         print("note: 'tiny' has seeded random weights, so its text is noise (the same on every machine)",
               file=sys.stderr)
     for out in llm.generate(args.prompts, params, use_tqdm=not args.no_progress):
-        print(f"[{out.request_id}] {out.prompt!r} -> {out.text!r}  "
-              f"({len(out.token_ids)} tokens, finished: {out.finish_reason})")
+        c = out.outputs[0]
+        print(f"[{out.request_id}] {out.prompt!r} -> {c.text!r}  "
+              f"({len(c.token_ids)} tokens, finished: {c.finish_reason})")
     return 0
 
 
 def _engine_options(args) -> dict:
     """The EngineConfig fields the bench-like commands share."""
     return dict(kv_layout=args.kv or "auto", kv_budget_bytes=args.kv_budget, block_size=args.block_size,
-                tensor_parallel_size=args.tp,
+                tensor_parallel_size=getattr(args, "tp", 1),
                 enable_prefix_caching=not args.no_prefix_caching,
                 max_num_batched_tokens="auto" if args.max_num_batched_tokens is None else args.max_num_batched_tokens,
                 enable_chunked_prefill=not args.no_chunked_prefill,
@@ -278,9 +321,35 @@ def _engine_options(args) -> dict:
                 policy=args.policy, priority_aging_s=args.priority_aging_s)
 
 
+def _spec_option(args) -> dict:
+    if args.speculative_method is None:
+        return {}
+    from .speculative.config import SpeculativeConfig
+    return {"speculative": SpeculativeConfig(args.speculative_method, args.num_speculative_tokens,
+                                             draft_model=args.draft_model if args.speculative_method == "draft_model"
+                                             else None)}
+
+
+def _serve(args) -> int:
+    try:
+        from .server import make_app, serve
+    except ImportError as e:
+        raise ValueError(f"serve needs the serve extra ({e.name} is missing): "
+                         "pip install 'minibatch-engine[serve]'") from None
+    app = make_app(args.model, served_model_name=args.served_model_name, max_waiting=args.max_waiting_requests,
+                   chat_template=args.chat_template, device=args.device, dtype=args.dtype,
+                   scheduler=args.scheduler, max_num_seqs=args.max_batch, max_model_len=args.max_model_len,
+                   attention_backend=args.attention_backend, cpu_threads=args.cpu_threads,
+                   **_engine_options(args), **_spec_option(args))
+    serve(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout)
+    return 0
+
+
 def _sweep(args) -> int:
     from .metrics import parse_goodput, parse_percentiles
     from .sweep import parse_rates, sweep
+    if args.endpoint is not None:
+        return _sweep_endpoint(args)
     simulate = args.sim_gpu is not None
     if simulate != (args.sim_model is not None):
         raise ValueError("the simulator needs both --sim-gpu and --sim-model (or neither: the real model)")
@@ -294,6 +363,22 @@ def _sweep(args) -> int:
         opts.update(attention_backend=args.attention_backend, cpu_threads=args.cpu_threads)
     rows = sweep(rates, simulate=simulate, model=args.model, device=args.device, dtype=args.dtype,
                  jsonl=args.jsonl, progress=not args.no_progress, **opts)
+    return _sweep_report(args, rows, ps, slo, args.scheduler)
+
+
+def _sweep_endpoint(args) -> int:
+    from .endpoint_client import sweep_endpoint
+    from .metrics import parse_goodput, parse_percentiles
+    from .sweep import parse_rates
+    rates, ps, slo = parse_rates(args.rates), parse_percentiles(args.percentiles), parse_goodput(args.goodput)
+    rows = sweep_endpoint(args.endpoint, rates, model=args.model, workload=args.workload,
+                          num_requests=args.num_requests, seed=args.seed, burstiness=args.burstiness,
+                          percentiles=ps, goodput=slo, api_key=args.api_key, jsonl=args.jsonl,
+                          progress=not args.no_progress)
+    return _sweep_report(args, rows, ps, slo, rows[0]["model"])
+
+
+def _sweep_report(args, rows, ps, slo, label) -> int:
     p = f"{ps[-1]:g}"
     print(f"{'rate':>8} {'req/s':>8} {'tok/s':>9} {'TTFT p' + p:>11} {'TPOT p' + p:>11}"
           + (f" {'goodput':>8}" if slo else ""))
@@ -304,13 +389,15 @@ def _sweep(args) -> int:
     print(f"rows: {args.jsonl} ({rows[0]['clock']} clock)")
     if args.plot:
         from .book import plotting
-        fig = plotting.load_curves({args.scheduler: rows}, slo_ms=slo, stat=f"p{p}")
+        fig = plotting.load_curves({label: rows}, slo_ms=slo, stat=f"p{p}")
         fig.savefig(args.plot, dpi=120, bbox_inches="tight")
     return 0
 
 
 def _bench(args, simulate: bool) -> int:
     from .bench import format_report, run_bench, write_json
+    if not simulate and args.endpoint is not None:
+        return _bench_endpoint(args)
     if not simulate and args.vs_transformers:
         return _vs_transformers(args)
     summary, engine = run_bench(
@@ -387,6 +474,22 @@ def _cluster(args) -> int:
             json.dump(s, f, indent=1, default=str)
     if args.plot:
         raise ValueError("--plot draws one engine's timeline; a cluster run has none (use --json)")
+    return 0
+
+
+def _bench_endpoint(args) -> int:
+    from .bench import format_report, write_json
+    from .endpoint_client import bench_endpoint
+    if args.clients or args.workload == "mixed-classes" or args.vs_transformers or args.plot:
+        raise ValueError("--endpoint measures one stream of requests: drop --clients, --vs-transformers, "
+                         "--plot and the mixed-classes workload")
+    summary = bench_endpoint(args.endpoint, model=args.model, workload=args.workload,
+                             num_requests=args.num_requests, seed=args.seed, arrival_rate=args.arrival_rate,
+                             burstiness=args.burstiness, percentiles=args.percentiles, goodput=args.goodput,
+                             api_key=args.api_key, progress=not args.no_progress)
+    print(format_report(summary))
+    if args.json:
+        write_json(summary, args.json)
     return 0
 
 

@@ -11,18 +11,34 @@ from .engine import Engine
 from .inputs import as_prompt_list, check_arrival_time, encode_text
 from .metrics import RequestMetrics, request_metrics
 from .sampling import SamplingParams
+from .stop_strings import find_stop, tokens_within
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence of a request (vLLM's ``CompletionOutput``).
+
+    ``index`` is its place among the request's ``n`` samples; ``text`` is None
+    when the model has no tokenizer; ``finish_reason`` is ``"stop"`` (EOS, a
+    stop token or a stop string), ``"length"`` (``max_tokens``), ``"abort"`` or
+    ``"error"``."""
+    index: int
+    text: str | None
+    token_ids: list[int]
+    finish_reason: str | None
 
 
 @dataclass
 class RequestOutput:
+    """What ``LLM.generate`` returns for one prompt, shaped like vLLM's:
+    ``outputs`` holds one :class:`CompletionOutput` per sample (``n`` of them),
+    ``outputs[0]`` first. ``metrics`` are the first sample's latencies."""
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str | None                           # None when the model has no tokenizer
-    finish_reason: str
+    outputs: list[CompletionOutput]
+    finished: bool
     metrics: RequestMetrics
-    samples: list[list[int]] | None = None     # n > 1: every sample's tokens, this one first
 
 
 class LLM:
@@ -92,9 +108,21 @@ class LLM:
                 client_id=None if client_id is None else client_id[i]))
         with tqdm(total=len(reqs), desc="generate", unit="req", disable=not use_tqdm, leave=False) as bar:
             engine.run(progress=bar.update)
-        decode = self.tokenizer.decode if self.tokenizer is not None else (lambda ids: None)
-        return [RequestOutput(r.request_id, r.prompt, r.prompt_token_ids, list(r.output_token_ids),
-                              decode(r.output_token_ids), str(r.finish_reason),
-                              request_metrics(r, engine.trace),
-                              [list(x.output_token_ids) for x in engine.samples_of(r.request_id)])
+        decode = self.tokenizer.decode if self.tokenizer is not None else None
+        return [RequestOutput(r.request_id, r.prompt, r.prompt_token_ids,
+                              [completion(k, x, decode) for k, x in enumerate(engine.samples_of(r.request_id))],
+                              all(x.is_finished for x in engine.samples_of(r.request_id)),
+                              request_metrics(r, engine.trace))
                 for r in reqs]
+
+
+def completion(index: int, req, decode) -> CompletionOutput:
+    """A finished :class:`~minibatch_engine.request.Request` as a :class:`CompletionOutput`,
+    cut at its first stop string (``SamplingParams.stop``), as vLLM cuts it."""
+    ids, text = list(req.output_token_ids), None if decode is None else decode(req.output_token_ids)
+    reason = None if req.finish_reason is None else str(req.finish_reason)
+    if text is not None and req.sampling_params.stop:
+        cut = find_stop(text, req.sampling_params.stop)
+        if cut is not None:
+            ids, text, reason = ids[:tokens_within(ids, decode, req.sampling_params.stop)], text[:cut], "stop"
+    return CompletionOutput(index, text, ids, reason)

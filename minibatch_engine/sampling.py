@@ -33,6 +33,9 @@ class SamplingParams:
     output lengths follow the workload). ``seed`` makes sampling reproducible per
     request. ``n > 1`` draws n samples of one prompt: the prompt is prefilled once
     and the sequence forked, sample k seeded with ``seed + k`` (paged cache only).
+    ``stop``: strings that end the output where they first appear, left out of
+    its text (vLLM's ``stop``); text is checked after detokenising, by the front
+    door (``LLM``, ``AsyncLLM``), as vLLM checks it outside its engine core.
     """
 
     max_tokens: int = 16
@@ -43,6 +46,7 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = field(default_factory=tuple)
     ignore_eos: bool = False
     n: int = 1
+    stop: str | Sequence[str] = field(default_factory=tuple)
 
     def __post_init__(self):
         def integer(name, low, high=None):
@@ -77,6 +81,11 @@ class SamplingParams:
                              f"got {self.stop_token_ids!r}")
         # numpy integers are taken, as in prompts; stored as a tuple of ints
         object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
+            raise ValueError(f"SamplingParams.stop must be a string or a list of non-empty strings, "
+                             f"got {self.stop!r}")
+        object.__setattr__(self, "stop", tuple(stop))
 
     def max_proposals(self, num_output_tokens: int) -> int:
         """Proposed tokens worth verifying after ``num_output_tokens`` outputs

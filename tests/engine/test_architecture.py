@@ -13,14 +13,15 @@ PACKAGE = Path(__file__).resolve().parents[2] / "minibatch_engine"
 
 # Lowest first. A module may import from its own layer or below, never above.
 LAYERS = [
-    {"checks", "device", "cpu_threads", "inputs", "sampling", "request", "outputs"},
+    {"checks", "device", "cpu_threads", "inputs", "sampling", "request", "outputs", "stop_strings"},
     {"attention", "kv"},
     {"model", "sim"},
     {"scheduler", "speculative"},
     {"runner"},
-    {"config", "trace", "metrics", "profiling", "workload", "machine_limit"},
+    {"config", "trace", "metrics", "profiling", "workload", "machine_limit", "engine_stats"},
     {"engine"},
     {"llm", "async_llm", "bench", "sweep", "vs_transformers", "book", "cluster"},
+    {"server", "endpoint_client"},          # HTTP: the OpenAI-compatible server and its load client
     {"cli", "__main__", ""},
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}

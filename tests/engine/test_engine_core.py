@@ -127,7 +127,7 @@ def test_llm_takes_the_tokenizer_from_where_the_model_came_from(tiny32):
     llm = LLM(custom)
     assert llm.tokenizer is None
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=3), use_tqdm=False)[0]
-    assert out.text is None and len(out.token_ids) == 3
+    assert out.outputs[0].text is None and len(out.outputs[0].token_ids) == 3
     with pytest.raises(ValueError, match="no tokenizer"):
         llm.generate(["text"], use_tqdm=False)
 
@@ -145,7 +145,7 @@ def test_checkpoint_without_tokenizer_runs_token_ids(tmp_path):
     llm = LLM(str(tmp_path), device="cpu")
     assert llm.tokenizer is None
     out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
-    assert out.text is None and len(out.token_ids) == 4
+    assert out.outputs[0].text is None and len(out.outputs[0].token_ids) == 4
     with pytest.raises(ValueError, match="no tokenizer"):
         llm.generate("hello", use_tqdm=False)
 
@@ -153,9 +153,9 @@ def test_checkpoint_without_tokenizer_runs_token_ids(tmp_path):
 def test_tiny_temperatures_are_greedy(tiny32):
     """Before: temperature=1e-38 crashed in sampling (logits / T overflowed)."""
     llm = LLM(tiny32, max_num_seqs=2)
-    greedy = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5), use_tqdm=False)[0].token_ids
+    greedy = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5), use_tqdm=False)[0].outputs[0].token_ids
     tiny = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=5, temperature=1e-38, seed=1),
-                        use_tqdm=False)[0].token_ids
+                        use_tqdm=False)[0].outputs[0].token_ids
     assert tiny == greedy
 
 
@@ -377,7 +377,7 @@ def test_trained_models_load_by_name_with_their_tokenizer():
     llm = LLM("tiny-py", max_num_seqs=2)
     assert type(llm.tokenizer).__name__ == "ByteTokenizer"
     out = llm.generate(["def "], SamplingParams(max_tokens=8), use_tqdm=False)[0]
-    assert isinstance(out.text, str) and len(out.token_ids) == 8
+    assert isinstance(out.outputs[0].text, str) and len(out.outputs[0].token_ids) == 8
 
 
 @pytest.mark.parametrize("max_model_len", [96, 100, 1024])

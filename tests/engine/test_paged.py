@@ -142,7 +142,8 @@ def test_greedy_parallel_samples_equal_reference(tiny64):
     llm = LLM(tiny64, kv_layout="paged", scheduler="continuous", max_num_seqs=4, block_size=4)
     out = llm.generate([list(b"abcdefg")], SamplingParams(max_tokens=9, n=3, ignore_eos=True), use_tqdm=False)[0]
     ref = reference_generate(tiny64, list(b"abcdefg"), 9)
-    assert out.samples == [ref] * 3
+    assert [o.token_ids for o in out.outputs] == [ref] * 3
+    assert [o.index for o in out.outputs] == [0, 1, 2] and out.finished
 
 
 @settings(max_examples=10, deadline=None)

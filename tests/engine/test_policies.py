@@ -82,7 +82,7 @@ def test_llm_generate_takes_priority_and_client_id(tiny64):
     llm = LLM(tiny64, policy="priority", max_num_seqs=1, kv_layout="paged", max_model_len=64)
     prompts = [[1, 2, 3], [4, 5, 6], [7, 8, 9]]
     outs = llm.generate(prompts, params(4), use_tqdm=False, priority=[2, 1, 0], client_id=["x", "y", "z"])
-    assert [o.token_ids for o in outs] == [reference_generate(tiny64, p, 4) for p in prompts]
+    assert [o.outputs[0].token_ids for o in outs] == [reference_generate(tiny64, p, 4) for p in prompts]
     first = {o.request_id: llm.engine.scheduler.requests[o.request_id].first_scheduled_step for o in outs}
     assert first["2"] < first["1"] < first["0"]     # one place: the best priority goes first
     assert [llm.engine.scheduler.requests[str(i)].client_id for i in range(3)] == ["x", "y", "z"]

@@ -46,8 +46,8 @@ def test_a_top_p_that_rounds_to_zero_keeps_the_top_token(tiny64):
     llm = LLM(tiny64, max_num_seqs=2)
     outs = llm.generate([[5, 6, 7], [8, 9]], [SamplingParams(max_tokens=4, temperature=1.0, top_p=1e-46, seed=1),
                                               SamplingParams(max_tokens=4)])
-    assert outs[0].token_ids == reference_generate(tiny64, [5, 6, 7], 4)     # only the top token is left
-    assert outs[1].token_ids == reference_generate(tiny64, [8, 9], 4)
+    assert outs[0].outputs[0].token_ids == reference_generate(tiny64, [5, 6, 7], 4)     # only the top token is left
+    assert outs[1].outputs[0].token_ids == reference_generate(tiny64, [8, 9], 4)
 
 
 @pytest.mark.parametrize("kwargs", [dict(seed=2**64), dict(seed=2**64 - 2, n=3), dict(seed=-1)])
@@ -73,11 +73,11 @@ def test_a_failing_sample_ends_its_request_not_the_batch(tiny64, monkeypatch):
     bad = SamplingParams(max_tokens=5, temperature=1.0, top_k=7, seed=0)
     outs = llm.generate([[5, 6, 7], [8, 9], [1, 2]], [bad, SamplingParams(max_tokens=5),
                                                        SamplingParams(max_tokens=5, n=2)])
-    assert outs[0].finish_reason == "error" and outs[0].token_ids == []
+    assert outs[0].outputs[0].finish_reason == "error" and outs[0].outputs[0].token_ids == []
     assert "sampling failed" in llm.engine.requests["0"].error
     assert outs[0].metrics.ttft_steps is None
-    assert outs[1].token_ids == reference_generate(tiny64, [8, 9], 5)
-    assert outs[2].samples == [reference_generate(tiny64, [1, 2], 5)] * 2
+    assert outs[1].outputs[0].token_ids == reference_generate(tiny64, [8, 9], 5)
+    assert [o.token_ids for o in outs[2].outputs] == [reference_generate(tiny64, [1, 2], 5)] * 2
     assert_all_memory_back(llm.engine)
 
 
@@ -247,7 +247,7 @@ def test_stop_token_ids_take_numpy_integers_as_prompts_do(tiny64):
     p = SamplingParams(max_tokens=6, stop_token_ids=[np.int64(ref[2])])
     assert p.stop_token_ids == (ref[2],) and type(p.stop_token_ids[0]) is int
     out = LLM(tiny64, max_num_seqs=1).generate([[5, 6, 7]], p)[0]
-    assert out.token_ids == ref[:3] and out.finish_reason == "stop"
+    assert out.outputs[0].token_ids == ref[:3] and out.outputs[0].finish_reason == "stop"
 
 
 def test_sampling_params_cannot_be_changed_past_their_checks():
@@ -370,8 +370,8 @@ def test_a_failing_verification_ends_its_request_not_the_batch(tiny64, monkeypat
     bad = SamplingParams(max_tokens=40, temperature=1.0, top_k=7, seed=0, ignore_eos=True)
     good, bad_out = llm.generate([[1, 2, 3], [1, 2, 3]], [SamplingParams(max_tokens=40, ignore_eos=True), bad],
                                  use_tqdm=False)
-    assert bad_out.finish_reason == "error" and "verification failed" in llm.engine.requests["1"].error
-    assert good.token_ids == reference_generate(tiny64, [1, 2, 3], 40)
+    assert bad_out.outputs[0].finish_reason == "error" and "verification failed" in llm.engine.requests["1"].error
+    assert good.outputs[0].token_ids == reference_generate(tiny64, [1, 2, 3], 40)
     assert sum(s.num_verifications for s in llm.engine.trace.steps) > 0
     assert_all_memory_back(llm.engine)
 

@@ -30,15 +30,15 @@ def test_top_k_and_top_p_filters():
 def test_seeded_sampling_is_the_same_alone_or_batched(tiny64):
     params = SamplingParams(max_tokens=12, temperature=0.9, top_k=50, top_p=0.95, seed=1234)
     llm = LLM(tiny64, max_num_seqs=4)
-    alone = llm.generate(["the seeded one"], params, use_tqdm=False)[0].token_ids
+    alone = llm.generate(["the seeded one"], params, use_tqdm=False)[0].outputs[0].token_ids
     others = SamplingParams(max_tokens=20, temperature=1.0, seed=7)
     batch = llm.generate(["noise a", "the seeded one", "more noise here"], [others, params, others],
                          use_tqdm=False)
-    assert batch[1].token_ids == alone
-    assert batch[0].token_ids != alone
+    assert batch[1].outputs[0].token_ids == alone
+    assert batch[0].outputs[0].token_ids != alone
     # a different seed draws something else
     other_seed = SamplingParams(max_tokens=12, temperature=0.9, top_k=50, top_p=0.95, seed=99)
-    assert llm.generate(["the seeded one"], other_seed, use_tqdm=False)[0].token_ids != alone
+    assert llm.generate(["the seeded one"], other_seed, use_tqdm=False)[0].outputs[0].token_ids != alone
 
 
 def test_stop_tokens_and_eos(tiny64):

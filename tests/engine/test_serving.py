@@ -120,7 +120,7 @@ PARAMS = [SamplingParams(max_tokens=12), SamplingParams(max_tokens=9, temperatur
 
 def offline(model, **opts):
     outs = LLM(model, **opts).generate(PROMPTS, PARAMS, use_tqdm=False)
-    return [(o.token_ids, o.text, o.finish_reason) for o in outs]
+    return [(o.outputs[0].token_ids, o.outputs[0].text, o.outputs[0].finish_reason) for o in outs]
 
 
 async def consume(llm, prompt, params, rid, record=None):

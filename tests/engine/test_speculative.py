@@ -267,7 +267,7 @@ def test_llm_front_door_takes_a_speculative_config(tiny64, refs):
     llm = LLM(tiny64, max_num_seqs=8, max_model_len=64,
               speculative=SpeculativeConfig("draft_model", 3, draft_model=tiny64))
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True), use_tqdm=False)
-    assert [o.token_ids for o in outs] == refs
+    assert [o.outputs[0].token_ids for o in outs] == refs
     assert llm.engine.trace.acceptance_rate() == 1.0
 
 

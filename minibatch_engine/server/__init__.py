@@ -1,0 +1,14 @@
+"""``minibatch-engine serve``: OpenAI's HTTP API (as vLLM serves it) in front
+of an :class:`~minibatch_engine.async_llm.AsyncLLM`.
+
+* :mod:`.protocol`: request checks and response bodies;
+* :mod:`.chat_template`: chat messages -> one prompt;
+* :mod:`.metrics`: ``/metrics`` in Prometheus's format, vLLM's names;
+* :mod:`.app`: the routes (aiohttp);
+* :mod:`.launch`: the foreground server (signals) and :class:`ServerThread`.
+
+Needs the ``serve`` extra (``pip install minibatch-engine[serve]``).
+"""
+from .launch import ServerThread, make_app, serve
+
+__all__ = ["ServerThread", "make_app", "serve"]

@@ -1,0 +1,263 @@
+"""The HTTP routes: OpenAI's API as vLLM serves it, in front of an ``AsyncLLM``.
+
+``POST /v1/completions`` and ``POST /v1/chat/completions`` (streamed as
+server-sent events with ``"stream": true``), ``GET /v1/models``,
+``GET /health`` and ``GET /metrics``. A request of ``n`` choices over ``p``
+prompts becomes ``n * p`` engine requests (choice ``k`` seeded ``seed + k``),
+as vLLM V1's front end fans a parallel-sampling request out; the prefix cache
+computes each prompt's shared blocks once.
+
+The handler is the only place that touches HTTP; the engine loop
+(``AsyncLLM``) steps the engine in its own thread. A client that goes away
+cancels its handler (aiohttp's ``handler_cancellation``), which closes its
+streams, which abort their requests: their KV blocks are free before the
+next step. A full waiting queue answers 503 with ``Retry-After``.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import AsyncIterator
+
+from aiohttp import web
+
+from ..async_llm import AsyncLLM, StreamOutput
+from ..inputs import encode_text
+from .chat_template import byte_level_chat
+from .metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
+from .protocol import APIError, GenerationRequest, choice, new_id, parse_request, response, usage
+
+LLM_KEY = web.AppKey("llm", AsyncLLM)
+STATE_KEY = web.AppKey("state", dict)
+
+
+def build_app(llm: AsyncLLM, model_name: str, max_waiting: int = 1024, chat_template=byte_level_chat,
+              metrics: PrometheusStatLogger | None = None, shutdown_timeout: float = 30.0) -> web.Application:
+    """The aiohttp application. ``llm``'s stat loggers get the Prometheus one.
+    ``max_waiting``: a request that would make more than this many requests
+    wait is refused with 503. On shutdown the requests in flight get
+    ``shutdown_timeout`` seconds to finish, then are aborted, and the engine
+    loop stops."""
+    if metrics is None:
+        metrics = PrometheusStatLogger(model_name)
+    llm.stat_loggers.append(metrics)
+    app = web.Application(middlewares=[_errors])
+    app[LLM_KEY] = llm
+    app[STATE_KEY] = {"model": model_name, "max_waiting": max_waiting, "chat_template": chat_template,
+                      "metrics": metrics, "created": int(time.time()), "in_flight": 0, "starting": 0,
+                      "drain_timeout": shutdown_timeout}
+    app.add_routes([web.post("/v1/completions", _completions), web.post("/v1/chat/completions", _chat),
+                    web.get("/v1/models", _models), web.get("/health", _health),
+                    web.get("/metrics", _metrics), web.get("/version", _version)])
+    app.on_shutdown.append(_drain)
+    app.on_cleanup.append(_shutdown)
+    return app
+
+
+@web.middleware
+async def _errors(request, handler):
+    try:
+        return await handler(request)
+    except APIError as e:
+        headers = {"Retry-After": "1"} if e.status == 503 else None
+        return web.json_response(e.body(), status=e.status, headers=headers)
+    except (ValueError, TypeError) as e:            # the engine refused what the checks let through
+        return web.json_response(APIError(str(e)).body(), status=400)
+
+
+async def _drain(app: web.Application) -> None:
+    """Let the requests in flight finish for up to ``drain_timeout`` seconds, then abort the rest."""
+    st = app[STATE_KEY]
+    deadline = time.monotonic() + st["drain_timeout"]
+    while st["in_flight"] and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    st["aborted_at_shutdown"] = app[LLM_KEY].abort_all()
+
+
+async def _shutdown(app: web.Application) -> None:
+    await app[LLM_KEY].shutdown()
+
+
+# --- small routes --------------------------------------------------------------------
+async def _models(request):
+    st, llm = request.app[STATE_KEY], request.app[LLM_KEY]
+    card = {"id": st["model"], "object": "model", "created": st["created"], "owned_by": "minibatch-engine",
+            "root": st["model"], "parent": None, "max_model_len": _limit(llm)}
+    return web.json_response({"object": "list", "data": [card]})
+
+
+async def _health(request):
+    if request.app[LLM_KEY]._error is not None:
+        return web.json_response(APIError("the engine loop has failed", status=503).body(), status=503)
+    return web.Response(status=200)
+
+
+async def _version(request):
+    from importlib.metadata import PackageNotFoundError, version
+    try:
+        v = version("minibatch-engine")
+    except PackageNotFoundError:            # run from a source tree
+        v = "unknown"
+    return web.json_response({"version": v})
+
+
+async def _metrics(request):
+    st = request.app[STATE_KEY]
+    st["metrics"].set_gauges(request.app[LLM_KEY].scheduler_stats())
+    return web.Response(body=st["metrics"].exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+# --- generation ----------------------------------------------------------------------
+async def _completions(request):
+    return await _generate(request, chat=False)
+
+
+async def _chat(request):
+    return await _generate(request, chat=True)
+
+
+def _limit(llm: AsyncLLM) -> int:
+    eng = llm.engine
+    return min(eng.max_model_len, eng.kv_cache.max_tokens_per_request())
+
+
+async def _read(request, chat: bool) -> GenerationRequest:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise APIError("the request body is not valid JSON") from None
+    return parse_request(body, chat)
+
+
+def _encode(llm: AsyncLLM, req: GenerationRequest, template) -> list[list[int]]:
+    """Every prompt as token ids, checked against the vocabulary and the context length."""
+    texts = [template(req.messages)] if req.chat else req.prompts
+    vocab, limit, out = llm.engine.model_config.vocab_size, _limit(llm), []
+    for i, p in enumerate(texts):
+        param = "messages" if req.chat else "prompt"
+        if isinstance(p, str):
+            if llm.tokenizer is None:
+                raise APIError("this model has no tokenizer: send token ids", param)
+            try:
+                ids = encode_text(llm.tokenizer, p, param)
+            except (TypeError, ValueError) as e:
+                raise APIError(str(e), param) from None
+        else:
+            ids = p
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise APIError(f"prompt token ids must be in [0, {vocab}), got {bad[:3]}", param)
+        if not ids:
+            raise APIError("the prompt is empty", param)
+        room = limit - len(ids)
+        if room < 1 or (req.max_tokens_given and req.params.max_tokens > room):
+            raise APIError(f"this model's maximum context length is {limit} tokens; the prompt has {len(ids)} "
+                           f"and max_tokens asks for {req.params.max_tokens if req.max_tokens_given else 1} "
+                           "more", "max_tokens" if room >= 1 else param)
+        out.append(ids)
+    return out
+
+
+async def _generate(request, chat: bool):
+    app, llm = request.app, request.app[LLM_KEY]
+    st = app[STATE_KEY]
+    req = await _read(request, chat)
+    if req.model is not None and req.model != st["model"]:
+        raise APIError(f"The model `{req.model}` does not exist.", "model", 404)
+    if req.params.stop and llm.tokenizer is None:
+        raise APIError("'stop' needs a tokenizer, and this model has none: use stop_token_ids", "stop")
+    prompts = _encode(llm, req, st["chat_template"])
+    if llm._error is not None:
+        raise APIError("the engine loop has failed", status=503)
+    waiting = llm.num_waiting + st["starting"]
+    if waiting + len(prompts) * req.n > st["max_waiting"]:
+        raise APIError(f"the server is busy: {waiting} requests are waiting (the bound is "
+                       f"{st['max_waiting']}); retry later", status=503)
+    if not req.max_tokens_given:               # chat: the room left (vLLM's default); completions: 16 if it fits
+        import dataclasses
+        room = _limit(llm) - max(len(p) for p in prompts)
+        req.params = dataclasses.replace(req.params, max_tokens=room if chat else min(16, room))
+    rid = new_id(chat)
+    jobs = [(i * req.n + k, ids, req.choice_params(k)) for i, ids in enumerate(prompts) for k in range(req.n)]
+    st["in_flight"] += 1
+    st["starting"] += len(jobs)         # admitted, not yet in the engine's inbox (see _merged)
+    try:
+        if req.stream:
+            return await _stream(request, req, rid, prompts, jobs, st)
+        return await _whole(req, rid, prompts, jobs, st, llm)
+    finally:
+        st["in_flight"] -= 1
+
+
+async def _merged(llm: AsyncLLM, rid: str, jobs, priority: int, st: dict) -> AsyncIterator[tuple[int, StreamOutput]]:
+    """Every choice's outputs as they come, tagged with the choice's index.
+    Leaving early (or being cancelled) cancels every choice's stream."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index, ids, params):
+        counted = True
+        try:
+            outs = llm.stream(ids, params, request_id=f"{rid}-{index}", priority=priority)
+            st["starting"] -= 1                 # the first step of the loop below puts it in the inbox,
+            counted = False                     # with no await in between: the count stays exact
+            async for out in outs:
+                queue.put_nowait((index, out))
+        except Exception as e:                  # noqa: BLE001  (handed to the consumer)
+            queue.put_nowait((index, e))
+        finally:
+            if counted:                         # cancelled before it started
+                st["starting"] -= 1
+    tasks = [asyncio.create_task(pump(*job)) for job in jobs]
+    try:
+        left = len(tasks)
+        while left:
+            index, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            left -= item.finished
+            yield index, item
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _whole(req, rid, prompts, jobs, st, llm):
+    model = st["model"]
+    texts, counts, reasons = {}, {}, {}
+    async for i, out in _merged(llm, rid, jobs, req.priority, st):
+        texts[i] = texts.get(i, "") + (out.text or "")
+        counts[i] = counts.get(i, 0) + (out.token_id is not None)
+        if out.finished:
+            reasons[i] = out.finish_reason
+    choices = [choice(i, texts.get(i, ""), reasons.get(i), req.chat) for i in range(len(jobs))]
+    return web.json_response(response(rid, model, choices, req.chat,
+                                      usage_=usage(sum(map(len, prompts)), sum(counts.values()))))
+
+
+async def _stream(request, req, rid, prompts, jobs, st):
+    model = st["model"]
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    created, tokens = int(time.time()), 0
+
+    async def send(obj) -> None:
+        await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
+    if req.chat:                                 # vLLM's first chunk: the role, no content
+        await send(response(rid, model, [choice(i, "", None, True, delta=True, first=True)
+                                         for i in range(len(jobs))], True, chunk=True, created=created))
+    try:
+        async for i, out in _merged(request.app[LLM_KEY], rid, jobs, req.priority, st):
+            tokens += out.token_id is not None
+            if out.token_id is not None or out.finished:     # one chunk per token, as vLLM streams
+                await send(response(rid, model, [choice(i, out.text or "", out.finish_reason, req.chat,
+                                                        delta=True)], req.chat, chunk=True, created=created))
+    except (ValueError, TypeError) as e:         # refused by the engine after the headers went out
+        await send(APIError(str(e)).body())
+    if req.include_usage:
+        await send(response(rid, model, [], req.chat, chunk=True, created=created,
+                            usage_=usage(sum(map(len, prompts)), tokens)))
+    await resp.write(b"data: [DONE]\n\n")
+    await resp.write_eof()
+    return resp

@@ -1,0 +1,123 @@
+"""Starting a server: ``minibatch-engine serve`` (the foreground, with signals)
+or :class:`ServerThread` (in the background of this process: tests, notebooks).
+
+SIGTERM (or Ctrl-C) drains: the server stops accepting connections, lets the
+requests in flight finish for up to ``shutdown_timeout`` seconds, then aborts
+what is left (their KV memory goes back), stops the engine loop and exits 0,
+printing what it drained and what it aborted.
+"""
+from __future__ import annotations
+
+import asyncio
+import sys
+import threading
+
+from aiohttp import web
+
+from ..async_llm import AsyncLLM
+from .app import LLM_KEY, STATE_KEY, build_app
+from .chat_template import load_chat_template
+
+DEFAULT_HISTORY = 4096      # steps of trace a server keeps (bounded memory: AsyncLLM's history)
+
+
+def make_app(model="tiny", served_model_name: str | None = None, max_waiting: int = 1024,
+             chat_template: str | None = None, history: int | None = DEFAULT_HISTORY,
+             **llm_options) -> web.Application:
+    """Build the model, an :class:`AsyncLLM` around it and the application.
+    ``llm_options`` are AsyncLLM's (``device``, ``dtype``, engine options)."""
+    llm = AsyncLLM(model, history=history, **llm_options)
+    name = served_model_name or (model if isinstance(model, str) else llm.model.config.name)
+    template = load_chat_template(getattr(llm.model, "source", None), chat_template)
+    return build_app(llm, name, max_waiting=max_waiting, chat_template=template)
+
+
+def _log(msg: str) -> None:
+    print(f"minibatch-engine serve: {msg}", file=sys.stderr, flush=True)
+
+
+def _on_shutdown_report(app: web.Application) -> None:
+    async def draining(app):
+        st = app[STATE_KEY]
+        _log(f"shutting down: {st['in_flight']} HTTP requests in flight get {st['drain_timeout']:g} s to finish")
+
+    async def done(app):
+        eng = app[LLM_KEY].engine
+        left = sum(not r.is_finished for r in eng.requests.values())
+        _log(f"aborted {app[STATE_KEY].get('aborted_at_shutdown', 0)} streams still running after the drain")
+        _log(f"stopped: {left} engine requests unfinished, {eng.kv_cache.num_used_blocks} KV blocks held")
+    app.on_shutdown.insert(0, draining)    # before build_app's drain
+    app.on_cleanup.append(done)            # after build_app's own cleanup (the engine's shutdown)
+
+
+def serve(app: web.Application, host: str = "127.0.0.1", port: int = 8000,
+          shutdown_timeout: float = 30.0) -> None:
+    """Run in the foreground until SIGTERM or SIGINT (the module doc)."""
+    _on_shutdown_report(app)
+    app[STATE_KEY]["drain_timeout"] = shutdown_timeout
+    _log(f"serving {app[STATE_KEY]['model']!r} on http://{host}:{port}/v1")
+    web.run_app(app, host=host, port=port, shutdown_timeout=shutdown_timeout, handler_cancellation=True,
+                print=None, access_log=None)
+
+
+class ServerThread:
+    """A server in a background thread of this process, with its own event
+    loop: ``with ServerThread(app, port=0) as s: s.url``. ``port=0`` picks a
+    free port. Leaving the block shuts it down as SIGTERM would."""
+
+    def __init__(self, app: web.Application, host: str = "127.0.0.1", port: int = 0,
+                 shutdown_timeout: float = 5.0):
+        self.app, self.host, self.port, self.shutdown_timeout = app, host, port, shutdown_timeout
+        self.loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._main, name="minibatch-server", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def llm(self) -> AsyncLLM:
+        return self.app[LLM_KEY]
+
+    def start(self) -> "ServerThread":
+        self._thread.start()
+        self._ready.wait()
+        if self._error is not None:
+            raise self._error
+        return self
+
+    def _main(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.app[STATE_KEY]["drain_timeout"] = self.shutdown_timeout
+            self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
+                                        shutdown_timeout=self.shutdown_timeout)
+            self.loop.run_until_complete(self.runner.setup())
+            site = web.TCPSite(self.runner, self.host, self.port)
+            self.loop.run_until_complete(site.start())
+            self.port = site._server.sockets[0].getsockname()[1]
+        except BaseException as e:          # noqa: BLE001  (reported by start())
+            self._error = e
+            self._ready.set()
+            return
+        self._ready.set()
+        self.loop.run_forever()
+        self.loop.run_until_complete(self.runner.cleanup())
+        self.loop.close()
+
+    def call(self, coro, timeout: float | None = 30):
+        """Run a coroutine on the server's loop (e.g. to read engine state between steps)."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def stop(self) -> None:
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join()
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()

@@ -1,0 +1,103 @@
+"""``/metrics``: the engine's state in Prometheus's text format, with vLLM's
+metric names under the ``minibatch:`` prefix (``vllm:num_requests_running``
+here is ``minibatch:num_requests_running``), each labelled ``model_name``.
+
+* gauges, the state now: ``num_requests_running``, ``num_requests_waiting``
+  (submitted, not yet computing: queued or preempted), ``kv_cache_usage_perc``
+  (the share of KV blocks held, 0 to 1, as vLLM's despite the name);
+* counters, totals since start (Prometheus adds ``_total``):
+  ``num_preemptions``, ``prompt_tokens``, ``generation_tokens``,
+  ``request_success`` (by ``finished_reason``);
+* histograms, one observation per request or per token (seconds, vLLM's
+  buckets): ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
+  ``e2e_request_latency_seconds``, ``request_queue_time_seconds``.
+
+Read them with PromQL: a rate is ``rate(minibatch:generation_tokens_total[1m])``
+(tokens/s), a percentile ``histogram_quantile(0.99,
+rate(minibatch:time_to_first_token_seconds_bucket[5m]))``.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (the response's content type)
+
+from ..engine_stats import IterationStats, SchedulerStats
+
+PREFIX = "minibatch:"
+disable_created_metrics()       # no "_created" series beside each counter (one process-wide switch)
+# vLLM's buckets (vllm/v1/metrics/loggers.py)
+TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+               40.0, 80.0]
+REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                   240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+class PrometheusStatLogger:
+    """A stat logger for :class:`~minibatch_engine.async_llm.AsyncLLM` that
+    keeps the metrics above in its own registry (one per server)."""
+
+    def __init__(self, model_name: str):
+        self.registry = CollectorRegistry()
+        self.model_name = model_name
+        lab = ["model_name"]
+
+        def make(cls, name, doc, **kw):
+            return cls(PREFIX + name, doc, lab + kw.pop("extra", []), registry=self.registry, **kw)
+        self.running = make(Gauge, "num_requests_running", "Requests being computed.")
+        self.waiting = make(Gauge, "num_requests_waiting", "Requests waiting to be computed (queued or preempted).")
+        self.kv_usage = make(Gauge, "kv_cache_usage_perc", "KV-cache usage: 1 means every block is held.")
+        self.preemptions = make(Counter, "num_preemptions", "Preemptions since start.")
+        self.prompt_tokens = make(Counter, "prompt_tokens", "Prompt tokens of requests that got a first token.")
+        self.generation_tokens = make(Counter, "generation_tokens", "Tokens generated.")
+        self.success = make(Counter, "request_success", "Requests ended, by finish reason.",
+                            extra=["finished_reason"])
+        self.ttft = make(Histogram, "time_to_first_token_seconds", "Time to first token.", buckets=TTFT_BUCKETS)
+        self.itl = make(Histogram, "inter_token_latency_seconds", "Time between consecutive tokens.",
+                        buckets=ITL_BUCKETS)
+        self.e2e = make(Histogram, "e2e_request_latency_seconds", "Submission to last token.",
+                        buckets=REQUEST_BUCKETS)
+        self.queue = make(Histogram, "request_queue_time_seconds", "Submission to first scheduled step.",
+                          buckets=REQUEST_BUCKETS)
+
+    def set_gauges(self, s: SchedulerStats) -> None:
+        m = self.model_name
+        self.running.labels(m).set(s.num_running_reqs)
+        self.waiting.labels(m).set(s.num_waiting_reqs)
+        self.kv_usage.labels(m).set(s.kv_cache_usage)
+
+    def record(self, scheduler_stats: SchedulerStats, it: IterationStats) -> None:
+        """Called by the engine loop after every step."""
+        m = self.model_name
+        self.set_gauges(scheduler_stats)
+        self.preemptions.labels(m).inc(it.num_preemptions)
+        self.prompt_tokens.labels(m).inc(it.num_prompt_tokens)
+        self.generation_tokens.labels(m).inc(it.num_generation_tokens)
+        for x in it.time_to_first_tokens:
+            self.ttft.labels(m).observe(x)
+        for x in it.inter_token_latencies:
+            self.itl.labels(m).observe(x)
+        for f in it.finished_requests:
+            self.success.labels(m, f.finish_reason).inc()
+            self.e2e.labels(m).observe(f.e2e_latency)
+            if f.queued_time is not None:
+                self.queue.labels(m).observe(f.queued_time)
+
+    def exposition(self) -> bytes:
+        """The text ``/metrics`` returns."""
+        return generate_latest(self.registry)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> ``{'name{a="x",b="y"}': value}``, labels sorted by
+    name (a reader for tests and clients; label values without commas)."""
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            key, _, value = line.rpartition(" ")
+            if "{" in key:
+                name, labels = key[:-1].split("{", 1)
+                key = name + "{" + ",".join(sorted(labels.split(","))) + "}"
+            out[key] = float(value)
+    return out

@@ -1,0 +1,36 @@
+"""Stop strings (``SamplingParams.stop``): where a text ends, and how much of
+it may be shown while more tokens may still complete a stop string.
+
+vLLM checks stop strings on the detokenised text, outside its engine core, and
+then aborts the request there; the front doors here do the same. The output's
+text ends just before the stop string; its tokens end with the token that
+completed it.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+
+def find_stop(text: str, stops: Sequence[str]) -> int | None:
+    """Where ``text`` must end: the start of the earliest stop string in it
+    (None: no stop string occurs)."""
+    found = [i for i in (text.find(s) for s in stops) if i >= 0]
+    return min(found) if found else None
+
+
+def holdback(stops: Sequence[str]) -> int:
+    """Characters a stream keeps back at the end of its text: a suffix this long
+    may be the start of a stop string still being generated."""
+    return max((len(s) for s in stops), default=1) - 1
+
+
+def tokens_within(ids: Sequence[int], decode: Callable[[Sequence[int]], str], stops: Sequence[str]) -> int:
+    """How many of ``ids`` the output keeps: up to and including the token whose
+    text completed the first stop string (all of them if none occurs). A text
+    that ends in an incomplete character (U+FFFD) is not searched until the
+    character completes, as a stream would not show it."""
+    for k in range(1, len(ids) + 1):
+        text = decode(ids[:k])
+        if (k == len(ids) or not text.endswith("\ufffd")) and find_stop(text, stops) is not None:
+            return k
+    return len(ids)
