@@ -136,5 +136,179 @@ def chapter2():
     save(CH2, data)
 
 
+
+
+# --- chapter 3: a step scrubber over the eight-request example -------------
+CH3 = "03_continuous_batching.ipynb"
+CH3_MD = '''
+Drag the step below through the same two runs. The tables say who is in the
+batch at step $t$ and what each KV row computes; a static row whose request
+has finished computes padding until its batch ends, while an iteration-level
+row takes the next request the step after its request finishes.
+'''
+CH3_CELL = '''
+traces = {"static": static_engine.trace, "continuous": cont_engine.trace}
+panels = [trace_panel(tr, k, f"{k}, 4 KV rows") for k, tr in traces.items()]
+step_scrubber("ch3-steps", {"": panels}, step=8, checks=[totals_check(traces)])
+'''
+
+
+def chapter3():
+    data = load(CH3)
+    insert_after(CH3, data, 'Table(\n    [\n        ["static", len(static_engine.trace)',
+                 [markdown(CH3_MD), code(CH3_CELL)], "ch3-steps")
+    add_import(CH3, data, "from minibatch_engine.book.report import Table\n",
+               "from minibatch_engine.book.explorables import step_scrubber, totals_check, trace_panel\n")
+    save(CH3, data)
+
+
+def add_import(nb, data, after, line):
+    """Add an import line to the set-up cell (the one holding ``after``)."""
+    c = data["cells"][find(data, after, nb)]
+    s = src(c)
+    if line not in s:
+        c["source"] = lines(s.replace(after, after + line, 1))
+
+
+# --- chapter 6: the KV pool running dry, step by step, recompute or swap ---
+CH6 = "06_preemption.ipynb"
+CH6_MD = '''
+Step through the two runs below (pick the mode): each row is a request. Watch
+the KV tokens held reach the pool's size, the request that is preempted
+(red) or swapped out (purple), and what it costs when it comes back: a
+recompute prefill (blue) in one mode, MiB over the host link in the other.
+'''
+CH6_CELL = '''
+tight_runs = {mode: tight(mode, swap_tokens=512) for mode in ("recompute", "swap")}
+step_scrubber(
+    "ch6-preemption",
+    {mode: [preemption_panel(eng, rs)] for mode, (eng, rs) in tight_runs.items()},
+    row_label="request", variant_label="preemption mode", step=40,
+    checks=[preemption_check(i, eng) for i, (eng, _) in enumerate(tight_runs.values())],
+)
+'''
+
+
+def chapter6():
+    data = load(CH6)
+    insert_after(CH6, data, "workload does not rank them", [markdown(CH6_MD), code(CH6_CELL)],
+                 "ch6-preemption")
+    add_import(CH6, data, "from minibatch_engine.book.report import Table\n",
+               "from minibatch_engine.book.explorables import (\n"
+               "    preemption_check,\n    preemption_panel,\n    step_scrubber,\n)\n")
+    save(CH6, data)
+
+
+# --- chapter 5: the token budget, the chunks, and the ITL spike ------------
+CH5 = "05_chunked_prefill.ipynb"
+CH5_MD = '''
+Pick a token budget and drag the step through the 6000-token prompt's
+arrival. The table shows which prefill chunk rides with which decodes in the
+step; `req-0`'s wait for its token jumps in the step that carries the whole
+prompt, and shrinks as the budget cuts the prompt into chunks, while the
+prompt's own first token comes later.
+'''
+CH5_CELL = '''
+budgets = {"none (whole prompts)": None, **{f"{b} tokens": b for b in (2048, 512, 256, 128)}}
+stalls = {name: stall_run(b) for name, b in budgets.items()}
+step_scrubber(
+    "ch5-budget",
+    {name: [itl_panel(eng, dec[0])] for name, (eng, dec) in stalls.items()},
+    row_label="request", variant_label="token budget",
+    step=stalls["none (whole prompts)"][0].requests["req-4"].first_scheduled_step,
+    checks=[itl_check(i, eng, dec[0]) for i, (eng, dec) in enumerate(stalls.values())],
+)
+'''
+
+
+def chapter5():
+    data = load(CH5)
+    insert_after(CH5, data, 'Table(rows, ["prefill", "ITL p50 (ms)", "ITL max (ms)"]',
+                 [markdown(CH5_MD), code(CH5_CELL)], "ch5-budget")
+    add_import(CH5, data, "from minibatch_engine.book.report import Table\n",
+               "from minibatch_engine.book.explorables import itl_check, itl_panel, step_scrubber\n")
+    save(CH5, data)
+
+
+# --- chapter 7: FCFS, priority and aging on the same arrivals ---------------
+CH7 = "07_scheduling_policies.ipynb"
+CH7_MD = '''
+The same 400 arrivals under each policy, below. Pick a class, then drag the
+percentile and the SLO: where FCFS's curve for the interactive class crosses
+the SLO, and how far priority moves it, is the head-of-line blocking of this
+section; switch to the batch class to see who pays.
+'''
+CH7_CELL = '''
+policies = ("fcfs", "priority", "priority + aging")
+policy_latency({name: runs[name] for name in policies}, "mixed-classes", stats=stats)
+'''
+
+
+def chapter7():
+    data = load(CH7)
+    insert_after(CH7, data, '"TTFT of interactive requests (s)"', [markdown(CH7_MD), code(CH7_CELL)],
+                 "ch7-policies")
+    add_import(CH7, data, "from minibatch_engine.book.report import Table\n",
+               "from minibatch_engine.book.explorables import policy_latency\n")
+    save(CH7, data)
+
+
+# --- chapter 4: the block allocator, step by step ----------------------------
+CH4 = "04_paged_attention.ipynb"
+CH4_MD = '''
+Step through two small runs below: the four requests of the block-table
+figure (2-token blocks) and the four samples of one prompt above (16-token
+blocks). Watch the tables grow a block at a time wherever the pool has one
+free, the samples share the prompt's blocks (×4) until each writes its own
+token and copies the last one, and the paged cache's memory beside the rows a
+reserved cache would hold for the same tokens.
+'''
+CH4_CELL = '''
+four = [torch.randint(0, 256, (p,)).tolist() for p in (5, 2, 7, 3)]
+greedy = SamplingParams(max_tokens=20, ignore_eos=True)
+small = dict(max_num_seqs=4, num_kv_blocks=64)
+block_explorer({
+    "four requests, 2-token blocks": block_run(
+        model64, four, greedy, block_size=2, max_model_len=64, **small),
+    "4 samples of one prompt, 16-token blocks": block_run(
+        model64, [prompt], params, block_size=16, max_model_len=128, **small),
+}, step=8)
+'''
+
+
+def chapter4():
+    data = load(CH4)
+    insert_after(CH4, data, 'print(f"prompt tokens computed: {eng.trace[0].computed_tokens}',
+                 [markdown(CH4_MD), code(CH4_CELL)], "ch4-blocks")
+    add_import(CH4, data, "from minibatch_engine.book.report import Table\n",
+               "from minibatch_engine.book.explorables import block_explorer, block_run\n")
+    save(CH4, data)
+
+
+# --- chapter 8: the sweep, at the SLO and percentile the reader sets ---------
+CH8 = "08_serving_under_load.ipynb"
+CH8_MD = '''
+The same sweep, request by request, below. Drag the arrival rate and watch
+each engine's TTFT distribution move against the SLO; then set your own SLO
+and percentile: the page recomputes each engine's percentiles and its goodput
+from the requests' latencies (at TTFT 500 ms, TPOT 50 ms and p99 it shows the
+table's figures), so you can read off, for your SLO, the rate at which each
+engine stops delivering.
+'''
+CH8_CELL = '''
+sweep_latency(curves, SLO)  # every request of the sweep above
+'''
+
+
+def chapter8():
+    data = load(CH8)
+    insert_after(CH8, data, "load_report.steady_rows(curves),  # throughput and goodput",
+                 [markdown(CH8_MD), code(CH8_CELL)], "ch8-load")
+    add_import(CH8, data, "from minibatch_engine.book.report import Table\n",
+               "from minibatch_engine.book.explorables import sweep_latency\n")
+    save(CH8, data)
+
+
 if __name__ == "__main__":
-    chapter2()
+    for edit in (chapter2, chapter3, chapter4, chapter5, chapter6, chapter7, chapter8):
+        edit()

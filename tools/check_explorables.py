@@ -10,7 +10,8 @@ For each ``.mbe-explorable`` on the page, a problem is reported when:
 * a control has no label, or is not a native range/select (keyboard-operable);
 * moving a control (each in turn, to another value) leaves what the
   explorable shows unchanged;
-* a range control does not move with the keyboard (ArrowRight/ArrowLeft);
+* a range control does not move with the keyboard (ArrowRight/ArrowLeft),
+  or its shown value does not follow;
 * at a setting listed in its ``data-checks`` (computed in Python by the
   chapter's own functions), a number it shows (``data-value``) differs from
   the chapter's;
@@ -108,11 +109,13 @@ async def check_explorables(page, shots: Path | None = None) -> tuple[int, list[
             if c["type"] == "range":
                 handle = await root.query_selector(f'[name="{c["name"]}"]')
                 key = "ArrowLeft" if c["value"] == c["max"] else "ArrowRight"
+                label = "(e) => (e.parentElement.querySelector('output') || {}).textContent"
+                shown = await handle.evaluate(label)
                 await handle.focus()
                 await page.keyboard.press(key)
                 moved = await handle.evaluate("(e) => e.value")
-                if moved == c["value"] or await root.evaluate(STATE) == before:
-                    problems.append(f"{where}: {key} did not move it or change the view")
+                if moved == c["value"] or await handle.evaluate(label) == shown:
+                    problems.append(f"{where}: {key} did not move it (or its shown value)")
                 await page.evaluate(SET, [root, c["name"], c["value"]])
         checks = json.loads(await root.get_attribute("data-checks") or "[]")
         for chk in checks:

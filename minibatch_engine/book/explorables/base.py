@@ -66,7 +66,7 @@ class Explorable:
         root = f"mbe-{self.name}"
         data = json.dumps(self.data, separators=(",", ":"), ensure_ascii=False).replace("</", "<\\/")
         checks = html.escape(json.dumps(self.checks, separators=(",", ":")), quote=True)
-        script = _asset("base.js") + "\n" + _asset(f"{self.kind}.js") + f'\nwindow.MBE.mount("{root}");\n'
+        script = _asset("base.js") + "\n" + _asset(f"{self.kind}.js") + f'\nwindow.MBE.mount("{root}", document.currentScript);\n'
         title = f'<div class="mbe-title">{html.escape(self.title)}</div>' if self.title else ""
         return (f'<div class="mbe-explorable" id="{root}" data-kind="{self.kind}" '
                 f'data-checks="{checks}">\n<style>\n{_asset("explorables.css")}</style>\n{title}'

@@ -37,7 +37,8 @@
       input = MBE.el("input", { id: id, name: spec.name, type: "range", min: spec.min,
         max: spec.max, step: spec.step || 1, value: spec.value }, row);
     }
-    var shown = MBE.el("output", { "for": id, "class": "mbe-value" }, row);
+    var shown = spec.type === "select" ? MBE.el("span", {}) :  // a select shows its value itself
+      MBE.el("output", { "for": id, "class": "mbe-value" }, row);
     var update = function () {
       var v = spec.type === "select" ? input.value : Number(input.value);
       var text = spec.format ? spec.format(v) : String(v);
@@ -82,8 +83,11 @@
     });
     return box;
   };
-  MBE.mount = function (id) {
-    var root = document.getElementById(id);
+  // Mount the explorable around the running script (JupyterLab may show one
+  // notebook twice: ids repeat), else the one with this id.
+  MBE.mount = function (id, script) {
+    var root = script && script.parentElement && script.parentElement.id === id ?
+      script.parentElement : document.getElementById(id);
     if (!root || root.getAttribute("data-mounted")) return;
     var kind = MBE.kinds[root.getAttribute("data-kind")];
     var data = JSON.parse(root.querySelector("script.mbe-data").textContent);
