@@ -4,7 +4,8 @@
 Called by tools/check_site.py for every page it opens; also runs alone on any
 HTML files:  python tools/check_explorables.py PAGE.html ... [--screenshots DIR]
 
-For each ``.mbe-explorable`` on the page, a problem is reported when:
+A chapter of ``EXPECTED`` without its explorable fails. For each
+``.mbe-explorable`` on the page, a problem is reported when:
 
 * it did not mount (its script did not run, or threw);
 * a control has no label, or is not a native range/select (keyboard-operable);
@@ -79,12 +80,34 @@ def _close(got: str | None, want: float) -> bool:
     return math.isclose(x, want, rel_tol=REL_TOL, abs_tol=1e-9)
 
 
+CHECKED: list[str] = []   # every explorable checked in this process, for summary()
+
+#: the explorables each chapter must show (issue 31): a chapter executed
+#: without its explorable's output fails the check
+EXPECTED = {
+    "02_static_batching.html": {"ch2-eta"},
+    "03_continuous_batching.html": {"ch3-steps"},
+    "04_paged_attention.html": {"ch4-blocks"},
+    "05_chunked_prefill.html": {"ch5-budget"},
+    "06_preemption.html": {"ch6-preemption"},
+    "07_scheduling_policies.html": {"ch7-policies"},
+    "08_serving_under_load.html": {"ch8-load"},
+}
+
+
+def summary(shots: Path | None = None) -> str:
+    """One line: the explorables checked, and where their screenshots are."""
+    where = f"; screenshots in {shots / 'explorables'}" if shots is not None and CHECKED else ""
+    return f"{len(CHECKED)} explorables operated and checked ({', '.join(CHECKED) or 'none'}){where}"
+
+
 async def check_explorables(page, shots: Path | None = None) -> tuple[int, list[str]]:
     """Check every explorable on an open page; returns (how many, problems)."""
     roots = await page.query_selector_all(".mbe-explorable")
     problems: list[str] = []
     for root in roots:
         name = await root.get_attribute("id") or "?"
+        CHECKED.append(name.removeprefix("mbe-"))
         if not await root.get_attribute("data-mounted"):
             problems.append(f"explorable {name}: did not mount (its script did not run)")
             continue
@@ -130,6 +153,10 @@ async def check_explorables(page, shots: Path | None = None) -> tuple[int, list[
                                     f"the chapter computed {want}")
         for c in controls:  # back to the starting setting
             await page.evaluate(SET, [root, c["name"], c["value"]])
+    found = {((await r.get_attribute("id")) or "").removeprefix("mbe-") for r in roots}
+    missing = EXPECTED.get(page.url.split("?")[0].split("#")[0].rsplit("/", 1)[-1], set()) - found
+    if missing:
+        problems.append(f"no explorable {', '.join(sorted(missing))} on this page (its cell has no output?)")
     if roots:
         problems += await _views(page, roots, shots)
     return len(roots), problems
@@ -139,6 +166,7 @@ async def _views(page, roots, shots: Path | None) -> list[str]:
     """Screenshots at desktop and phone width, light and dark; the phone-width fit."""
     problems = []
     size = page.viewport_size
+    await page.evaluate("() => document.activeElement && document.activeElement.blur()")
     folder = None
     if shots is not None:
         folder = shots / "explorables"

@@ -41,7 +41,7 @@ import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from check_explorables import check_explorables  # the explorables' controls and numbers
+from check_explorables import check_explorables, summary  # the explorables' controls and numbers
 
 CHROMIUM_ARGS = [
     "--no-sandbox",
@@ -494,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  - {msg}")
     n_shots = sum(1 for r in results if r.screenshot)
     print(f"\n{len(results)} pages, {len(failed)} failed, {total:.1f}s; {n_shots} screenshots in {shots}")
+    print(summary(shots))
     return 1 if failed else 0
 
 
