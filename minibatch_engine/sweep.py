@@ -136,6 +136,17 @@ async def realtime_bench(model, workload: str = "uniform", num_requests: int = 3
     return s, engine
 
 
+def request_latencies(timings: Sequence[RequestTiming], warmup: float = STEADY_WARMUP) -> dict:
+    """Each request's arrival (s), TTFT and TPOT (ms; TPOT None for a one-token
+    answer) and the steady-state window: what a sweep row's percentiles and
+    goodput are computed from, kept so a reader can recompute them at another
+    SLO (chapter 8's explorable)."""
+    return {"arrival": [t.arrival for t in timings],
+            "ttft_ms": [t.ttft * 1e3 for t in timings],
+            "tpot_ms": [t.tpot * 1e3 if t.num_output_tokens > 1 else None for t in timings],
+            "window": list(steady_window(timings, warmup)) if timings else None}
+
+
 def sweep(rates: Iterable[float], *, simulate: bool = True, model="tiny", device: str = "auto",
           dtype: str = "float32", jsonl: str | None = None, progress: bool = True,
           warmup: float = STEADY_WARMUP, min_duration_s: float | None = None,
@@ -147,7 +158,9 @@ def sweep(rates: Iterable[float], *, simulate: bool = True, model="tiny", device
     (``scheduler``, ``workload``, ``num_requests``, ``max_batch``, ``seed``,
     ``burstiness``, ``percentiles``, ``goodput``) and engine options. Each row
     has vLLM's keys over the whole run and the ``steady_*`` keys over the
-    steady-state window (:func:`steady_metrics`, warm-up ``warmup``).
+    steady-state window (:func:`steady_metrics`, warm-up ``warmup``); a
+    simulated row also keeps ``latencies`` (:func:`request_latencies`), which
+    the JSON-lines file leaves out.
     ``min_duration_s``: at least ``rate * min_duration_s`` requests at each
     rate (``num_requests`` where that is more), so that the arrivals of the
     high rates last as long as the low rates' and their windows hold as many
@@ -173,6 +186,7 @@ def sweep(rates: Iterable[float], *, simulate: bool = True, model="tiny", device
                 row, eng = run_bench(arrival_rate=rate, simulate_only=True, progress=False, **opts)
                 timings = timings_from_trace(eng.requests.values(), eng.trace, "sim")
                 row.update(steady_metrics(timings, goodput=opts.get("goodput"), warmup=warmup))
+                row["latencies"] = request_latencies(timings, warmup)
             else:
                 opts["max_num_seqs"] = opts.pop("max_batch", 256)
                 row, _ = asyncio.run(realtime_bench(m, rate=rate, warmup=warmup, **opts))
@@ -180,7 +194,7 @@ def sweep(rates: Iterable[float], *, simulate: bool = True, model="tiny", device
             row = {"rate": rate, **row}
             rows.append(row)
             if out is not None:
-                out.write(json.dumps(row, default=str) + "\n")
+                out.write(json.dumps({k: v for k, v in row.items() if k != "latencies"}, default=str) + "\n")
                 out.flush()
     finally:
         if out is not None:

@@ -41,6 +41,8 @@ import urllib.parse
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from check_explorables import check_explorables, summary  # the explorables' controls and numbers
+
 CHROMIUM_ARGS = [
     "--no-sandbox",
     "--disable-gpu",
@@ -350,6 +352,10 @@ async def check_page(browser, site: Path, page_path: Path, shots: Path | None) -
                 f"{o['columns']} columns, {o['over']} px past a {o['width']} px box): {o['snippet']!r}")
     except Exception as exc:  # noqa: BLE001 - report, don't crash the run
         res.problems.append(f"could not measure code widths: {exc}")
+    try:
+        res.problems += (await check_explorables(page, shots))[1]
+    except Exception as exc:  # noqa: BLE001 - report, don't crash the run
+        res.problems.append(f"could not check the explorables: {exc}")
     # late failures: web fonts load when first drawn (after the probe, and
     # the screenshot draws the whole page)
     try:
@@ -488,6 +494,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  - {msg}")
     n_shots = sum(1 for r in results if r.screenshot)
     print(f"\n{len(results)} pages, {len(failed)} failed, {total:.1f}s; {n_shots} screenshots in {shots}")
+    print(summary(shots))
     return 1 if failed else 0
 
 
