@@ -3,10 +3,12 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from ..cluster import simulate_cluster
 from ..cluster.disagg import simulate_disaggregated
+from ..metrics import RequestTiming
 from ..sweep import distserve_goodput, steady_metrics
 from ..workload import Uniform, WorkloadSpec
 from . import plotting
@@ -18,6 +20,9 @@ PD_WORKLOADS = {
 }
 SLO_PAIRS = {"tight TPOT": {"ttft": 1000, "tpot": 10}, "tight TTFT": {"ttft": 150, "tpot": 50}}
 DESIGNS = ("co-located", "disaggregated")
+STYLES = {"co-located": ("#4C72B0", "o-"), "co-located, budget 512": ("#55A868", "^-"),
+          "co-located, budget 256": ("#8172B3", "v-"), "disaggregated": ("#DD8452", "s--"),
+          "disaggregated, TTFT from decode": ("#C44E52", "d:")}
 
 
 def policy_table(runs: Mapping[str, Mapping]) -> Table:
@@ -31,26 +36,63 @@ def policy_table(runs: Mapping[str, Mapping]) -> Table:
 
 def pd_run(design: str, spec, rate: float, num_requests: int, link: str = "nvlink", **sim):
     """One rate of one design on two GPUs: two co-located replicas behind a
-    least-requests router, or one prefill and one decode replica."""
-    if design == "co-located":
-        return simulate_cluster(2, "least-requests", spec, num_requests, arrival_rate=rate, **sim)
+    least-requests router (``"co-located, budget N"``: with a token budget of
+    ``N`` per step instead of the default), or one prefill and one decode replica."""
+    if design.startswith("co-located"):
+        budget = design.partition("budget ")[2]
+        opts = {"max_num_batched_tokens": int(budget)} if budget else {}
+        return simulate_cluster(2, "least-requests", spec, num_requests, arrival_rate=rate, **opts, **sim)
     return simulate_disaggregated(1, 1, link, spec, num_requests, arrival_rate=rate, **sim)
 
 
+ALT = "disaggregated, TTFT from decode"
+
+
+def decode_side_timings(timings) -> list[RequestTiming]:
+    """What a client sees when the decode side streams every token: the first
+    token comes with the second, from the decode replica."""
+    return [RequestTiming(t.arrival, [t.token_times[1], *t.token_times[1:]], t.num_prompt_tokens)
+            if len(t.token_times) > 1 else t for t in timings]
+
+
+def _p(values, q):
+    return float(np.percentile(values, q)) if len(values) else float("nan")
+
+
+def _row(w, design, rate, timings, slos, **extra):
+    row = {"workload": w, "design": design, "rate": rate,
+           "ttft_ms_p90": _p([1e3 * t.ttft for t in timings if t.token_times], 90),
+           "tpot_ms_p90": _p([1e3 * t.tpot for t in timings if len(t.token_times) > 1], 90), **extra}
+    for name, slo in slos.items():
+        m = steady_metrics(timings, goodput=slo)
+        row[f"attainment {name}"], row[f"goodput {name}"] = m["steady_slo_attainment"], m["steady_goodput"]
+    return row
+
+
 def pd_sweep(rates: Mapping[str, Sequence[float]], num_requests: int = 120, workloads=PD_WORKLOADS,
-             slos=SLO_PAIRS, progress: bool = True, **sim) -> list[dict]:
-    """Every (workload, rate, design): p90 TTFT and TPOT, and for each SLO pair
-    the steady-state attainment and goodput (chapter 8's keys)."""
-    jobs = [(w, r, d) for w in workloads for r in rates[w] for d in DESIGNS]
+             slos=SLO_PAIRS, designs: Mapping[str, Sequence[str]] | None = None, progress: bool = True,
+             **sim) -> list[dict]:
+    """Every (workload, rate, design): p90 TTFT and TPOT, busy shares, and for
+    each SLO pair the steady-state attainment and goodput (chapter 8's keys).
+    ``designs``: per workload (default :data:`DESIGNS`). Each disaggregated run
+    gives a second row, :data:`ALT`: the same run with TTFT counted when the
+    decode side emits (:func:`decode_side_timings`); its ``gap_ms`` lists each
+    request's first-to-second token gap."""
+    designs = designs or {w: DESIGNS for w in workloads}
+    jobs = [(w, r, d) for w in workloads for r in rates[w] for d in designs[w]]
     rows = []
     for w, rate, design in tqdm(jobs, desc="P/D sweep", disable=not progress):
         s, cluster = pd_run(design, workloads[w], rate, num_requests, **sim)
-        row = {"workload": w, "design": design, "rate": rate, "ttft_ms_p90": s["ttft_ms_p90"],
-               "tpot_ms_p90": s["tpot_ms_p90"], "kv_transfer_ms_mean": s.get("kv_transfer_ms_mean")}
-        for name, slo in slos.items():
-            m = steady_metrics(cluster.timings, goodput=slo)
-            row[f"attainment {name}"], row[f"goodput {name}"] = m["steady_slo_attainment"], m["steady_goodput"]
-        rows.append(row)
+        busy = {}
+        for r in s["per_replica"]:
+            busy.setdefault(r.get("pool", "all"), []).append(r["busy_s"] / s["duration_s"])
+        extra = {"busy": {k: sum(v) / len(v) for k, v in busy.items()},
+                 "kv_transfer_ms_mean": s.get("kv_transfer_ms_mean")}
+        rows.append(_row(w, design, rate, cluster.timings, slos, **extra))
+        if design == "disaggregated":
+            gaps = [1e3 * (t.token_times[1] - t.token_times[0]) for t in cluster.timings
+                    if len(t.token_times) > 1]
+            rows.append(_row(w, ALT, rate, decode_side_timings(cluster.timings), slos, gap_ms=gaps, **extra))
     return rows
 
 
@@ -77,8 +119,10 @@ def pd_figure(rows, slos=SLO_PAIRS, workloads=PD_WORKLOADS, attainment: float = 
     for i, w in enumerate(workloads):
         for j, name in enumerate(slos):
             ax = axes[i][j]
-            for d, color, style in zip(DESIGNS, ("#4C72B0", "#DD8452"), ("o-", "s--")):
+            present = [d for d in dict.fromkeys(r["design"] for r in rows) if select(rows, w, d)]
+            for d in present:
                 sel = select(rows, w, d)
+                color, style = STYLES.get(d, ("#8C8C8C", "x-"))
                 ax.plot([r["rate"] for r in sel], [r[f"attainment {name}"] for r in sel], style, color=color,
                         label=d, ms=5)
             ax.axhline(attainment, color="#8C8C8C", ls="--", lw=1)
@@ -87,7 +131,7 @@ def pd_figure(rows, slos=SLO_PAIRS, workloads=PD_WORKLOADS, attainment: float = 
             ax.set_xlabel("request rate (req/s), 2 GPUs" if i == len(workloads) - 1 else "")
             if j == 0:
                 ax.set_ylabel("met both SLOs")
-    axes[0][0].legend()
+    axes[0][0].legend(fontsize=7)
     return fig
 
 
