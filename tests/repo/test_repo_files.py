@@ -32,6 +32,7 @@ def fake_venv(tmp_path: Path) -> Path:
     venv = tmp_path / "venv"
     venv.mkdir()
     (venv / ".installed").touch()
+    (venv / ".test-installed").touch()
     (venv / ".lab-installed").touch()
     return venv
 
