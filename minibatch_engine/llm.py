@@ -24,6 +24,12 @@ class RequestOutput:
     metrics: RequestMetrics
     samples: list[list[int]] | None = None     # n > 1: every sample's tokens, this one first
 
+    def __repr__(self) -> str:
+        """One readable line (the timings stay in ``metrics``)."""
+        shown = f"text={self.text!r}" if self.text is not None else f"token_ids={self.token_ids!r}"
+        return (f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, {shown}, "
+                f"finish_reason={self.finish_reason!r}, {len(self.token_ids)} tokens)")
+
 
 class LLM:
     """An engine around a model, with vLLM's defaults (continuous scheduling,
