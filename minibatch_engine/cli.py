@@ -311,7 +311,7 @@ def _bench(args, simulate: bool) -> int:
 
 def _vs_transformers(args) -> int:
     from .bench import write_json
-    from .vs_transformers import compare, format_comparison
+    from .vs_transformers import compare, format_comparison, stored_difference
     if args.device not in ("auto", "cpu") or args.dtype != "float32":
         raise ValueError("--vs-transformers runs on the CPU in float32: drop --device/--dtype")
     backend = args.attention_backend
@@ -323,6 +323,9 @@ def _vs_transformers(args) -> int:
     except ImportError as e:
         raise ValueError(str(e)) from None
     print(format_comparison(summary))
+    note = stored_difference(summary)
+    if note:
+        print(note)
     if args.json:
         write_json(summary, args.json)
     return 0
