@@ -268,12 +268,13 @@ def _sweep(args) -> int:
     rows = sweep(rates, simulate=simulate, model=args.model, device=args.device, dtype=args.dtype,
                  jsonl=args.jsonl, progress=not args.no_progress, **opts)
     p = f"{ps[-1]:g}"
-    print(f"{'rate':>8} {'req/s':>8} {'tok/s':>9} {'TTFT p' + p:>11} {'TPOT p' + p:>11}"
-          + (f" {'goodput':>8}" if slo else ""))
+    # offered rate, then what came out: request and token throughput, latency, goodput (units in the header)
+    print(f"{'rate req/s':>10} {'done req/s':>10} {'out tok/s':>9} {'TTFT p' + p + ' ms':>14} "
+          f"{'TPOT p' + p + ' ms':>14}" + (f" {'goodput req/s':>13}" if slo else ""))
     for r in rows:
-        print(f"{r['rate']:>8.3g} {r['request_throughput']:>8.3g} {r['output_throughput']:>9.4g} "
-              f"{r[f'ttft_ms_p{p}']:>9.4g}ms {r[f'tpot_ms_p{p}']:>9.4g}ms"
-              + (f" {r['goodput']:>8.3g}" if slo else ""))
+        print(f"{r['rate']:>10.3g} {r['request_throughput']:>10.3g} {r['output_throughput']:>9.4g} "
+              f"{r[f'ttft_ms_p{p}']:>14.4g} {r[f'tpot_ms_p{p}']:>14.4g}"
+              + (f" {r['goodput']:>13.3g}" if slo else ""))
     print(f"rows: {args.jsonl} ({rows[0]['clock']} clock)")
     if args.plot:
         from .book import plotting

@@ -11,6 +11,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.colors import ListedColormap
 from matplotlib.patches import Patch
+from matplotlib.ticker import MaxNLocator
 
 # One palette for the whole book.
 COLORS = {
@@ -131,6 +132,7 @@ def timeline(trace, ax=None, title: str | None = None, max_steps: int | None = N
     ax.set_xlabel("engine step" if x == "steps" else
                   "token rows computed (a step as wide as its longest lane)")
     ax.set_ylabel("KV row / first block")
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))   # rows are whole: no 2.5, 7.5
     ax.grid(False)
     ax.legend(handles=[Patch(color=COLORS[k], label=k) for k in LANE_KINDS[1:]],
               loc="upper left", bbox_to_anchor=(1.0, 1.0))
