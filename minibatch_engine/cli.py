@@ -272,8 +272,8 @@ def _sweep(args) -> int:
     print(f"{'rate req/s':>10} {'done req/s':>10} {'out tok/s':>9} {'TTFT p' + p + ' ms':>14} "
           f"{'TPOT p' + p + ' ms':>14}" + (f" {'goodput req/s':>13}" if slo else ""))
     for r in rows:
-        print(f"{r['rate']:>10.3g} {r['request_throughput']:>10.3g} {r['output_throughput']:>9.4g} "
-              f"{r[f'ttft_ms_p{p}']:>14.4g} {r[f'tpot_ms_p{p}']:>14.4g}"
+        print(f"{r['rate']:>10.3g} {r['request_throughput']:>10.3g} {r['output_throughput']:>9,.0f} "
+              f"{r[f'ttft_ms_p{p}']:>14,.1f} {r[f'tpot_ms_p{p}']:>14,.1f}"
               + (f" {r['goodput']:>13.3g}" if slo else ""))
     print(f"rows: {args.jsonl} ({rows[0]['clock']} clock)")
     if args.plot:
