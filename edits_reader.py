@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """Issue 29's edits to files other workers also edit; re-appliable (running it
-twice changes nothing).
+twice changes nothing). ``--notebooks`` also edits chapters 3 and 7's tables
+(then re-execute those two chapters).
 
 book/interview_guide.md: every question/answer/evidence table becomes a list of
 folded dropdowns (a self-test: the answer opens when asked; on a phone no
@@ -139,7 +140,61 @@ def edit_glossary() -> None:
         print(f"edited {GLOSSARY.relative_to(ROOT)}")
 
 
+# Chapter tables that showed raw keys (ch. 3) and a `nan` (ch. 7). Exact source
+# replacements; the lead re-executes the two chapters after applying them.
+NOTEBOOK_EDITS = {
+    "chapters/03_continuous_batching.ipynb": [(
+        """keys = ["steps", "eta", "computed_tokens", "batch_utilization", "peak_running",
+        "sim_seconds", "sim_output_tokens_per_second"]
+tps = "sim_output_tokens_per_second"
+Table(
+    [[k, *(f"{res[s][k]:,.0f} tok/s" if k == tps else res[s][k] for s in res)]
+     for k in keys],
+    ["", "static", "continuous"],
+)""",
+        """labels = {"steps": "engine steps", "eta": "η", "computed_tokens": "token rows computed",
+          "batch_utilization": "batch utilisation", "peak_running": "most running at once",
+          "sim_seconds": "simulated time (s)",
+          "sim_output_tokens_per_second": "simulated output throughput"}
+tps = "sim_output_tokens_per_second"
+Table(
+    [[label, *(f"{res[s][k]:,.0f} tok/s" if k == tps else res[s][k] for s in res)]
+     for k, label in labels.items()],
+    ["", "static", "continuous"],
+)""")],
+    "chapters/07_scheduling_policies.ipynb": [(
+        """            bound - 1.0,
+            np.percentile(inter_ttft, 99),""",
+        """            bound - 1.0 if ahead else "none (no aging)",
+            np.percentile(inter_ttft, 99),""")],
+}
+
+
+def edit_notebooks() -> None:
+    import json
+    for rel, edits in NOTEBOOK_EDITS.items():
+        path = ROOT / rel
+        nb = json.loads(path.read_text(encoding="utf-8"))
+        changed = False
+        for old, new in edits:
+            hits = [c for c in nb["cells"] if old in "".join(c["source"])]
+            if not hits:
+                if not any(new in "".join(c["source"]) for c in nb["cells"]):
+                    print(f"{rel}: neither the old nor the new source found: skipped")
+                continue
+            assert len(hits) == 1, f"{rel}: the old source is in {len(hits)} cells"
+            text = "".join(hits[0]["source"]).replace(old, new)
+            hits[0]["source"] = text.splitlines(keepends=True)
+            changed = True
+        if changed:
+            path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+            print(f"edited {rel} (re-execute it)")
+
+
 if __name__ == "__main__":
+    import sys
+    if "--notebooks" in sys.argv:
+        edit_notebooks()
     edit_guide()
     edit_cheat_sheet()
     edit_glossary()
