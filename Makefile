@@ -13,7 +13,12 @@ PY      := $(VENV)/bin/python
 TORCH_SPEC  ?= torch==2.13.0
 TORCH_INDEX ?=
 STAMP   := $(VENV)/.installed
+TEST_STAMP := $(VENV)/.test-installed
 LAB_STAMP := $(VENV)/.lab-installed
+# The extras `make test` adds to the book's (pyproject.toml): pytest, nbval,
+# playwright, transformers. TEST_EXTRAS=test,triton adds the Triton backend's
+# CPU-interpreter tests (about 1 GB more).
+TEST_EXTRAS ?= test
 NOTEBOOKS := $(sort $(wildcard chapters/[0-9]*.ipynb)) book/simulator_validation.ipynb book/appendix_cpu_kernels.ipynb
 JB      := $(VENV)/bin/jupyter-book
 SANITIZE := tests/nbval_sanitize.cfg
@@ -21,7 +26,7 @@ SANITIZE := tests/nbval_sanitize.cfg
 LAB_ROOT := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
 LAB_ARGS ?=
 
-.PHONY: help install book build test unit nbval notebooks lab gpu-check clean
+.PHONY: help install install-test book build test unit nbval notebooks lab check-lab gpu-check clean
 .PHONY: site-assets check-site site-check-if-browser
 
 help:  ## this list
@@ -36,10 +41,18 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || \
 	  $(PY) -m pip install "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
-	$(PY) -m pip install -e ".[book,test]"
+	$(PY) -m pip install -e ".[book]"
 	touch $(STAMP)
+	@echo "installed: .venv is $$(du -sh $(VENV) | cut -f1) (torch $$(du -sh $$($(PY) -c 'import torch, os; print(os.path.dirname(torch.__file__))') | cut -f1) of it)"
 
-install: $(STAMP)  ## create .venv and install the package with its book and test extras
+$(TEST_STAMP): $(STAMP)
+	$(PY) -m pip install -e ".[book,$(TEST_EXTRAS)]"
+	touch $(TEST_STAMP)
+	@echo "installed the test extras: .venv is now $$(du -sh $(VENV) | cut -f1)"
+
+install: $(STAMP)  ## create .venv and install the package with the book extra (what building the site needs)
+
+install-test: $(TEST_STAMP)  ## install the test extras too (pytest, nbval, playwright, transformers)
 
 build: $(STAMP) site-assets  ## build the website into _build/html (warnings are errors)
 	$(JB) build . --builder html -W -n --keep-going
@@ -48,13 +61,13 @@ book: build  ## build the website and print where it is
 	@echo
 	@echo "The book is built: open file://$(CURDIR)/_build/html/index.html"
 
-unit: $(STAMP)  ## unit, property and equivalence tests (pytest tests/)
+unit: $(TEST_STAMP)  ## unit, property and equivalence tests (pytest tests/)
 	$(PY) -m pytest -q -p no:cacheprovider --durations=10 tests
 
 # One pytest per notebook, so each chapter's name shows as it starts (with its
 # time at the end); every notebook runs even when one fails, and the target
 # fails at the end, naming the ones that failed.
-nbval: $(STAMP)  ## re-run every chapter and compare with its stored outputs
+nbval: $(TEST_STAMP)  ## re-run every chapter and compare with its stored outputs
 	@# the C++ kernels are built (or found cached) first, so no chapter's output carries the build message
 	@$(PY) -c "from minibatch_engine.attention.cpu_kernel import cpu_kernel_or_none; cpu_kernel_or_none()"
 	@failed=""; n=0; total=$(words $(NOTEBOOKS)); \
@@ -69,7 +82,7 @@ nbval: $(STAMP)  ## re-run every chapter and compare with its stored outputs
 
 test: unit nbval build site-check-if-browser  ## unit tests, nbval, the -W build, the browser check
 
-notebooks: $(STAMP)  ## re-execute every chapter in place (fresh stored outputs)
+notebooks: $(TEST_STAMP)  ## re-execute every chapter in place (fresh stored outputs)
 	for nb in $(NOTEBOOKS); do \
 	  echo "executing $$nb"; \
 	  $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace \
@@ -81,8 +94,14 @@ $(LAB_STAMP): $(STAMP)
 	$(PY) -m pip install -e ".[lab]"
 	touch $(LAB_STAMP)
 
+# BookContentsManager (minibatch_engine/book/lab_server.py) fills in the glued
+# numbers when Lab opens a chapter and writes the source back when it saves.
+LAB_CONTENTS := minibatch_engine.book.lab_server.BookContentsManager
 lab: $(LAB_STAMP)  ## JupyterLab on chapters/ (LAB_ARGS="--port 8889 --no-browser"; root adds --allow-root)
-	$(VENV)/bin/jupyter lab $(LAB_ROOT) $(LAB_ARGS) chapters/
+	$(VENV)/bin/jupyter lab $(LAB_ROOT) --ServerApp.contents_manager_class=$(LAB_CONTENTS) $(LAB_ARGS) chapters/
+
+check-lab: $(LAB_STAMP) $(TEST_STAMP)  ## open every chapter in JupyterLab (headless Chromium): numbers filled in, not modified
+	CHROMIUM=$(CHROMIUM) $(PY) tools/check_lab.py $(NOTEBOOKS)
 
 # gpu-check installs nothing: it runs with .venv's Python when there is one, else
 # with python3, which must have a CUDA build of torch (GPU_PY=... picks another).
@@ -111,11 +130,11 @@ site-assets: $(NODE_STAMP)  ## npm ci for the site's MathJax and widget librarie
 # Every page in headless Chromium with the network blocked: math typeset, images
 # loaded, internal links and anchors resolve, widgets rendered, no JS errors, no
 # code wider than its box at 1280 px. Screenshots go to _build/screenshots/.
-check-site: build  ## build, then open every page in headless Chromium, offline (CHROMIUM=path)
+check-site: build $(TEST_STAMP)  ## build, then open every page in headless Chromium, offline (CHROMIUM=path)
 	CHROMIUM=$(CHROMIUM) $(PY) tools/check_site.py _build/html
 
 # `make test` runs the browser check where a browser is installed (.ci/run installs one).
-site-check-if-browser: build  ## check-site when the browser (CHROMIUM) exists, else say it was skipped
+site-check-if-browser: build $(TEST_STAMP)  ## check-site when the browser (CHROMIUM) exists, else say it was skipped
 	@if [ -x $(CHROMIUM) ]; then \
 	  CHROMIUM=$(CHROMIUM) $(PY) tools/check_site.py _build/html; \
 	else \

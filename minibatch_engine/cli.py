@@ -380,12 +380,13 @@ def _sweep_endpoint(args) -> int:
 
 def _sweep_report(args, rows, ps, slo, label) -> int:
     p = f"{ps[-1]:g}"
-    print(f"{'rate':>8} {'req/s':>8} {'tok/s':>9} {'TTFT p' + p:>11} {'TPOT p' + p:>11}"
-          + (f" {'goodput':>8}" if slo else ""))
+    # offered rate, then what came out: request and token throughput, latency, goodput (units in the header)
+    print(f"{'rate req/s':>10} {'done req/s':>10} {'out tok/s':>9} {'TTFT p' + p + ' ms':>14} "
+          f"{'TPOT p' + p + ' ms':>14}" + (f" {'goodput req/s':>13}" if slo else ""))
     for r in rows:
-        print(f"{r['rate']:>8.3g} {r['request_throughput']:>8.3g} {r['output_throughput']:>9.4g} "
-              f"{r[f'ttft_ms_p{p}']:>9.4g}ms {r[f'tpot_ms_p{p}']:>9.4g}ms"
-              + (f" {r['goodput']:>8.3g}" if slo else ""))
+        print(f"{r['rate']:>10.3g} {r['request_throughput']:>10.3g} {r['output_throughput']:>9,.0f} "
+              f"{r[f'ttft_ms_p{p}']:>14,.1f} {r[f'tpot_ms_p{p}']:>14,.1f}"
+              + (f" {r['goodput']:>13.3g}" if slo else ""))
     print(f"rows: {args.jsonl} ({rows[0]['clock']} clock)")
     if args.plot:
         from .book import plotting
@@ -495,7 +496,7 @@ def _bench_endpoint(args) -> int:
 
 def _vs_transformers(args) -> int:
     from .bench import write_json
-    from .vs_transformers import compare, format_comparison
+    from .vs_transformers import compare, format_comparison, stored_difference
     if args.device not in ("auto", "cpu") or args.dtype != "float32":
         raise ValueError("--vs-transformers runs on the CPU in float32: drop --device/--dtype")
     backend = args.attention_backend
@@ -507,6 +508,9 @@ def _vs_transformers(args) -> int:
     except ImportError as e:
         raise ValueError(str(e)) from None
     print(format_comparison(summary))
+    note = stored_difference(summary)
+    if note:
+        print(note)
     if args.json:
         write_json(summary, args.json)
     return 0

@@ -40,6 +40,15 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics
 
+    def __repr__(self) -> str:
+        """Readable: the prompt and each sample's text (or tokens), finish reason
+        and length; the timings stay in ``metrics``."""
+        samples = ", ".join(
+            f"{o.index}: " + (repr(o.text) if o.text is not None else repr(o.token_ids))
+            + f" ({o.finish_reason}, {len(o.token_ids)} tokens)" for o in self.outputs)
+        return (f"RequestOutput(request_id={self.request_id!r}, prompt={self.prompt!r}, "
+                f"outputs=[{samples}], finished={self.finished})")
+
 
 class LLM:
     """An engine around a model, with vLLM's defaults (continuous scheduling,

@@ -20,11 +20,13 @@ gives output tokens per second (median over rounds) and the ratios.
 """
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -113,6 +115,8 @@ def compare(model="tiny", num_requests: int = 64, batch: int = 64, seed: int = 0
             threads: int | None = 2, attention_backend: str = "auto", workload: str = "uniform",
             log=print) -> dict:
     """Run the three systems ``rounds`` times each, alternating; return a summary dict."""
+    log(estimate_line(num_requests, batch, rounds))
+    log("loading transformers and converting the model to a Hugging Face checkpoint...")
     transformers = _require_transformers()
     from .bench import cpu_name, warmup
     from .model.config import PAD_ID
@@ -138,6 +142,7 @@ def compare(model="tiny", num_requests: int = 64, batch: int = 64, seed: int = 0
         "engine": lambda: run_engine(ours, prompts, max_tokens, batch, attention_backend, threads or "auto"),
     }
     # warm-ups, untimed: first-call allocations and kernel selection
+    log("warming up the three systems (untimed)...")
     warmup(ours)
     with torch.no_grad():
         hf.generate(input_ids=torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False, pad_token_id=pad_id)
@@ -155,6 +160,7 @@ def compare(model="tiny", num_requests: int = 64, batch: int = 64, seed: int = 0
     # One more engine run, untimed by the rounds, with its attention timed from the
     # inside: where the engine's step time goes (attention, rest of model, engine).
     from .profiling import profile_run
+    log("one more engine run with its attention timed from the inside...")
     shares = profile_run(engine_for(ours, prompts, max_tokens, batch, attention_backend, threads or "auto")[0])
     ref = results["engine"].tokens
     summary = {
@@ -175,6 +181,61 @@ def compare(model="tiny", num_requests: int = 64, batch: int = 64, seed: int = 0
     summary["engine_vs_hf_continuous"] = eng / summary["systems"]["hf-continuous"]["tokens_per_second"]
     summary["engine_time_shares"] = shares.as_dict()
     return summary
+
+
+#: the run committed with the book (``minibatch-engine bench --vs-transformers --json``)
+STORED = Path(__file__).resolve().parents[1] / "benchmarks" / "vs_transformers.json"
+
+
+def _stored() -> dict | None:
+    try:
+        return json.loads(STORED.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def load_note() -> str | None:
+    """A warning when other programs keep the CPUs busy (1-minute load average
+    above half the CPUs): wall-clock ratios between systems are then distorted."""
+    if not hasattr(os, "getloadavg"):
+        return None
+    load, cpus = os.getloadavg()[0], os.cpu_count() or 1
+    if load <= 0.5 * cpus:
+        return None
+    return (f"load average {load:.2f} on {cpus} CPUs: other programs are running, which slows the "
+            "three systems unequally and distorts the ratios")
+
+
+def estimate_line(num_requests: int, batch: int, rounds: int) -> str:
+    """What to expect before a run: the stored run's time scaled to this one."""
+    ref = _stored()
+    msg = f"--vs-transformers: {rounds} rounds of three systems"
+    if ref and ref.get("systems"):
+        per_round = sum(sorted(r["seconds"])[len(r["seconds"]) // 2] for r in ref["systems"].values())
+        scale = (num_requests / ref["num_requests"]) * (rounds / ref["rounds"])
+        total = per_round * ref["rounds"] * scale + 30      # + loading and warm-up
+        msg += (f"; about {total / 60:.0f} min on a quiet machine like the stored run's "
+                f"({ref['cpu']}), longer on a busy one")
+    note = load_note()
+    return msg + (f"\n{note}" if note else "")
+
+
+def stored_difference(s: dict, factor: float = 2.0) -> str | None:
+    """A note when this run's engine/HF ratio differs from the stored one by more
+    than ``factor`` either way: the load average, and what it does to the ratio."""
+    ref = _stored()
+    if not ref or ref.get("model") != s.get("model") or ref.get("num_requests") != s.get("num_requests"):
+        return None
+    key = "engine_vs_hf_continuous"
+    ratio = s[key] / ref[key]
+    if 1 / factor <= ratio <= factor:
+        return None
+    load = s.get("load_average_at_end")
+    return (f"note: engine vs hf-continuous is {s[key]:.2f}x here against {ref[key]:.2f}x in the stored run "
+            f"({STORED.name}, {ref['cpu']}, load average {ref.get('load_average_at_end', 0):.2f}); this "
+            f"run ended at load average {load:.2f} on {os.cpu_count()} CPUs. A busy machine distorts the "
+            "ratio: the systems use their threads differently, so other programs slow them unequally. "
+            "Compare on a quiet machine.")
 
 
 def format_comparison(s: dict) -> str:

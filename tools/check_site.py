@@ -20,7 +20,13 @@ renders here renders with no network.  A page fails when:
   tries to reach the network at all;
 * code is clipped at a 1280 px window: a code cell's source or output, or a
   listing, is wider than its box (``scrollWidth > clientWidth`` of a ``pre``,
-  ``div.highlight`` or cell output area, collapsed cells opened first).
+  ``div.highlight`` or cell output area, collapsed cells opened first);
+* a display formula is wider than the article at 1280 px;
+* a reference page (:data:`REFERENCE_PAGES`) on a 390 px phone is wider than
+  the screen, cuts content (an element wider than a box that hides overflow),
+  has a prose table that scrolls sideways, or a formula that scrolls with no
+  cue; or, printed (A4, print stylesheet), cuts content or takes more sheets
+  than :data:`PRINT_PAGES` allows.
 
 Screenshots of the landing page and of every chapter go to
 ``_build/screenshots/`` (full page, height capped).  Prints one row per page
@@ -56,6 +62,12 @@ SCREENSHOT_MAX_HEIGHT = 16000  # px (Chromium paints at most 16384); longer page
 LOAD_TIMEOUT_MS = 20_000
 SETTLE_TIMEOUT_S = 15.0  # MathJax + widget manager, per page
 CONCURRENCY = min(4, os.cpu_count() or 2)  # pages open at once
+
+PHONE = {"width": 390, "height": 844}   # an iPhone 12-15's CSS pixels
+# The pages a reader keeps at hand: checked on a phone and in print as well,
+# with the most printed pages (both sides of a sheet: 2) where one is set.
+REFERENCE_PAGES = {"book/cheat_sheet.html": 2, "book/interview_guide.html": None,
+                   "book/glossary.html": None}
 
 # Pages left out.  None today: search.html and genindex.html load fine from
 # file:// (search.html pulls searchindex.js through a <script> tag, which
@@ -189,6 +201,69 @@ OVERFLOW_PROBE = r"""
   return out;
 }
 """
+
+
+# Display formulas wider than their box (at 1280 px none may be: they fit).
+MATH_PROBE = r"""
+() => Array.from(document.querySelectorAll(".bd-article div.math"))
+  .filter((el) => el.getClientRects().length && el.scrollWidth - el.clientWidth > 1)
+  .map((el) => ({over: el.scrollWidth - el.clientWidth, width: el.clientWidth,
+                 snippet: (el.textContent || "").trim().slice(0, 50)}))
+"""
+
+# On a phone or in print: what is cut, runs off the page, or scrolls sideways.
+NARROW_PROBE = r"""
+async () => {
+  const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+  if (window.MathJax && MathJax.startup && MathJax.startup.promise) {
+    await Promise.race([MathJax.startup.promise, sleep(10000)]);
+  }
+  document.querySelectorAll("details").forEach((d) => { d.open = true; });
+  await sleep(200);
+  const out = [];
+  const vw = document.documentElement.clientWidth;
+  const page = document.documentElement.scrollWidth;
+  const text = (el) => (el.textContent || "").trim().replace(/\s+/g, " ").slice(0, 60);
+  if (page > vw + 1) {
+    // the innermost visible element that sticks out the most (MathJax's
+    // assistive MathML is clipped to nothing: it widens the page but shows nothing)
+    let worst = null, right = vw + 1;
+    for (const el of document.body.querySelectorAll("*")) {
+      const r = el.getBoundingClientRect();
+      if (r.width && r.right > right - 0.5 && !el.closest("mjx-container *, mjx-assistive-mml")
+          && getComputedStyle(el).visibility !== "hidden") { worst = el; right = r.right; }
+    }
+    if (worst) {
+      out.push(`the page is ${Math.round(right)} px wide, wider than the ${vw} px screen `
+               + `(${worst.tagName.toLowerCase()}.${worst.className}: ${JSON.stringify(text(worst))})`);
+    }
+  }
+  const article = document.querySelector(".bd-article") || document.body;
+  for (const el of article.querySelectorAll("*")) {
+    if (!el.getClientRects().length) continue;
+    const over = el.scrollWidth - el.clientWidth;
+    if (over <= 1 || el.clientWidth === 0) continue;
+    const cs = getComputedStyle(el);
+    const scrolls = cs.overflowX === "auto" || cs.overflowX === "scroll";
+    const hides = cs.overflowX === "hidden" || cs.overflowX === "clip";
+    if (el.closest(".cell_output, .cell_input, pre, .highlight")) continue;  // code: the 1280 px check
+    if (hides && !el.matches("mjx-container *, mjx-container")) {
+      out.push(`cut: ${el.tagName.toLowerCase()}.${el.className} is ${over} px wider than its box: ${JSON.stringify(text(el))}`);
+    } else if (scrolls && el.matches("div.math, span.math")) {
+      const cue = cs.backgroundImage.includes("gradient");
+      if (!cue) out.push(`a formula scrolls sideways with no cue: ${JSON.stringify(text(el))}`);
+    } else if (scrolls && el.querySelector("table")) {
+      out.push(`a table scrolls sideways (${over} px): ${JSON.stringify(text(el))}`);
+    }
+  }
+  return out;
+}
+"""
+
+
+def pdf_pages(pdf: bytes) -> int:
+    """Pages in a PDF Chromium printed (its page objects)."""
+    return len(re.findall(rb"/Type\s*/Page[^s]", pdf))
 
 
 class _IdCollector(html.parser.HTMLParser):
@@ -353,6 +428,12 @@ async def check_page(browser, site: Path, page_path: Path, shots: Path | None) -
     except Exception as exc:  # noqa: BLE001 - report, don't crash the run
         res.problems.append(f"could not measure code widths: {exc}")
     try:
+        for o in await page.evaluate(MATH_PROBE):
+            res.problems.append(f"formula wider than its box at {VIEWPORT['width']} px "
+                                f"({o['over']} px past a {o['width']} px box): {o['snippet']!r}")
+    except Exception as exc:  # noqa: BLE001
+        res.problems.append(f"could not measure formula widths: {exc}")
+    try:
         res.problems += (await check_explorables(page, shots))[1]
     except Exception as exc:  # noqa: BLE001 - report, don't crash the run
         res.problems.append(f"could not check the explorables: {exc}")
@@ -368,6 +449,29 @@ async def check_page(browser, site: Path, page_path: Path, shots: Path | None) -
     await ctx.close()
     res.seconds = time.perf_counter() - t0
     return res
+
+
+async def check_narrow(browser, site: Path, page_path: Path, max_pages: int | None) -> list[str]:
+    """A reference page on a 390 px phone and printed on A4 (see NARROW_PROBE)."""
+    problems: list[str] = []
+    ctx = await browser.new_context(viewport=PHONE, device_scale_factor=1, service_workers="block")
+    page = await ctx.new_page()
+    await page.route("**/*", lambda r: r.continue_() if r.request.url.startswith(("file:", "data:", "blob:"))
+                     else r.abort("blockedbyclient"))
+    try:
+        await page.goto(page_path.as_uri(), wait_until="load", timeout=LOAD_TIMEOUT_MS)
+        problems += [f"phone ({PHONE['width']} px): {m}" for m in await page.evaluate(NARROW_PROBE)]
+        await page.set_viewport_size({"width": 718, "height": 1000})   # A4 less 12 mm margins, 96 dpi
+        await page.emulate_media(media="print")
+        problems += [f"print: {m}" for m in await page.evaluate(NARROW_PROBE)]
+        pdf = await page.pdf(format="A4", print_background=False, prefer_css_page_size=True)
+        n = pdf_pages(pdf)
+        if max_pages is not None and n > max_pages:
+            problems.append(f"print: {n} A4 pages, more than {max_pages}")
+    except Exception as exc:  # noqa: BLE001 - report any browser failure per page
+        problems.append(f"could not check it on a phone or in print: {exc}")
+    await ctx.close()
+    return problems
 
 
 CDN_RE = re.compile(r"cdn\.jsdelivr|unpkg\.com|cdnjs|cdn\.plot\.ly|fonts\.googleapis", re.I)
@@ -423,10 +527,13 @@ def root_page(site: Path) -> str:
     return (site / target.split("#")[0]).resolve().relative_to(site).as_posix()
 
 
-async def run(site: Path, shots: Path, chromium: str, jobs: int) -> list[PageResult]:
+async def run(site: Path, shots: Path, chromium: str, jobs: int,
+              only: list[str] | None = None) -> list[PageResult]:
     from playwright.async_api import async_playwright
 
     pages = built_pages(site)
+    if only:
+        pages = [p for p in pages if p.relative_to(site).as_posix() in only]
     shots.mkdir(parents=True, exist_ok=True)
     for old in shots.glob("*.png"):
         old.unlink()
@@ -441,7 +548,10 @@ async def run(site: Path, shots: Path, chromium: str, jobs: int) -> list[PageRes
         async def one(path: Path) -> PageResult:
             async with sem:
                 rel = path.relative_to(site).as_posix()
-                return await check_page(browser, site, path, shots if wants_screenshot(rel) else None)
+                res = await check_page(browser, site, path, shots if wants_screenshot(rel) else None)
+                if rel in REFERENCE_PAGES:
+                    res.problems += await check_narrow(browser, site, path, REFERENCE_PAGES[rel])
+                return res
 
         results = await asyncio.gather(*(one(p) for p in pages))
         await browser.close()
@@ -454,6 +564,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--screenshots", default=None, help="where PNGs go (default: SITE/../screenshots)")
     ap.add_argument("--jobs", type=int, default=CONCURRENCY, help="pages checked at once")
     ap.add_argument("--chromium", default=os.environ.get("CHROMIUM", "/usr/bin/chromium"))
+    ap.add_argument("--only", nargs="+", metavar="PAGE", help="check only these pages (paths under SITE)")
     args = ap.parse_args(argv)
 
     site = Path(args.site).resolve()
@@ -471,11 +582,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     t0 = time.perf_counter()
-    results = asyncio.run(run(site, shots, args.chromium, max(1, args.jobs)))
+    results = asyncio.run(run(site, shots, args.chromium, max(1, args.jobs), args.only))
     total = time.perf_counter() - t0
 
     # static check: no CDN named in any built HTML file
     for rel, hits in cdn_references(site).items():
+        if args.only and rel not in args.only:
+            continue
         r = next((r for r in results if r.rel == rel), None)
         if r is None:  # an HTML file that was not opened (under _static/ or the like)
             r = PageResult(rel)

@@ -3,11 +3,19 @@ kernel (``paged_attention_cpu.cpp``) and the model's fused small ops (``cpu_ops.
 used by :mod:`minibatch_engine.model.fused`).
 
 The kernels are compiled on first use with the machine's C++ compiler through
-``torch.utils.cpp_extension`` (about half a minute, once: the library is cached
-under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). It is
+``torch.utils.cpp_extension`` (half a minute to a few minutes, once: the library
+is cached under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``).
+The build always uses the ``ninja`` installed beside this Python (the pip
+package the engine depends on), not whichever one ``PATH`` finds first: two
+ninja releases hash build commands differently, so switching between them (by
+activating a virtual environment or not) would rebuild everything. The build
+says so on stderr, wherever stderr goes (terminal, notebook cell, pipe, log),
+with a line every 30 s while it runs and the time it took at the end. It is
 compiled for this CPU (``-march=native``), so the cache key includes the CPU's
 flags as well as the source, the flags and the torch version: a home directory
-shared by different machines never loads a library built for another CPU.
+shared by different machines never loads a library built for another CPU. The
+sources are copied into the build folder first, so the build does not depend on
+where the package is installed either.
 
 :func:`load_cpu_kernel` returns the module (building it when needed, and saying
 so on stderr with the time it took), or raises :class:`KernelUnavailable`
@@ -22,7 +30,9 @@ import os
 import platform
 import shutil
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -33,6 +43,7 @@ HEADERS = [CSRC / "simd_passes.h"]     # part of the cache key: a change rebuild
 # -ffast-math is for the compile step only (vectorised exp); see the source's header.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 LDFLAGS = ["-fopenmp"]
+HEARTBEAT_S = 30.0      # a "still compiling" line this often while the build runs
 
 _module = None
 _error: str | None = None
@@ -71,15 +82,13 @@ def load_cpu_kernel(verbose: bool = False):
         from torch.utils.cpp_extension import load
         name = extension_name()
         building = not _is_built(name)
-        if building or verbose:      # said wherever stderr goes: a terminal, a notebook cell, a log
-            print("minibatch_engine: compiling the C++ CPU kernels (paged attention, fused ops) once; "
-                  "it takes about half a minute to a few minutes, and is cached afterwards...",
-                  file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        _module = load(name, [str(p) for p in SOURCES], extra_cflags=CFLAGS, extra_ldflags=LDFLAGS, verbose=verbose)
+        with _pinned_ninja(), _build_messages(name, building or verbose):
+            _module = load(name, _staged_sources(name), extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
+                           verbose=verbose)
         if building or verbose:
-            print(f"minibatch_engine: C++ CPU kernels compiled in {time.perf_counter() - t0:.0f} s",
-                  file=sys.stderr, flush=True)
+            _say(f"C++ CPU kernels compiled in {_duration(time.perf_counter() - t0)}; cached in "
+                 f"{build_directory(name)} (later runs load them at once)")
         return _module
     except KernelUnavailable as e:
         _error = str(e)
@@ -92,6 +101,75 @@ def load_cpu_kernel(verbose: bool = False):
     raise KernelUnavailable(_error)
 
 
+def _say(msg: str) -> None:
+    print(f"minibatch_engine: {msg}", file=sys.stderr, flush=True)
+
+
+def _duration(seconds: float) -> str:
+    """``"42 s"`` or ``"4 min 22 s"``."""
+    s = round(seconds)
+    return f"{s} s" if s < 60 else f"{s // 60} min {s % 60} s"
+
+
+@contextmanager
+def _build_messages(name: str, say: bool):
+    """Say that the build starts, and every :data:`HEARTBEAT_S` seconds that it
+    still runs (from a thread: the build itself blocks), so that a notebook cell
+    or a piped command never looks hung."""
+    if not say:
+        yield
+        return
+    _say("compiling the C++ CPU kernels (paged attention, fused ops), once: it takes half a "
+         f"minute to a few minutes; the result is cached in {build_directory(name)}")
+    done = threading.Event()
+    t0 = time.perf_counter()
+
+    def beat():
+        while not done.wait(HEARTBEAT_S):
+            _say(f"still compiling the C++ CPU kernels ({_duration(time.perf_counter() - t0)} so far)")
+
+    thread = threading.Thread(target=beat, name="minibatch-cpp-build", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        done.set()
+        thread.join()
+
+
+def ninja_dir() -> str | None:
+    """The folder of the ``ninja`` the build uses: the pip package's (beside this
+    Python), else the one beside ``sys.executable``, else the first on ``PATH``.
+    It does not depend on ``PATH`` when the engine's own dependency is installed."""
+    try:
+        import ninja  # the pip package (a dependency of minibatch-engine)
+        d = Path(ninja.BIN_DIR)
+        if (d / "ninja").exists() or (d / "ninja.exe").exists():
+            return str(d)
+    except (ImportError, AttributeError):
+        pass
+    d = Path(sys.executable).parent
+    if (d / "ninja").exists() or (d / "ninja.exe").exists():
+        return str(d)
+    found = shutil.which("ninja")
+    return str(Path(found).parent) if found else None
+
+
+@contextmanager
+def _pinned_ninja():
+    """``PATH`` with :func:`ninja_dir` first, for torch's ``ninja`` calls."""
+    d = ninja_dir()
+    old = os.environ.get("PATH", "")
+    if d is None or old.split(os.pathsep)[:1] == [d]:
+        yield
+        return
+    os.environ["PATH"] = d + os.pathsep + old
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = old
+
+
 def _check_toolchain() -> None:
     """Raise :class:`KernelUnavailable` where the kernels cannot be built (nothing is built here)."""
     if os.environ.get("MINIBATCH_NO_CPP", "0") not in ("", "0"):
@@ -99,15 +177,39 @@ def _check_toolchain() -> None:
     cxx = os.environ.get("CXX", "c++")
     if shutil.which(cxx) is None:
         raise KernelUnavailable(f"no C++ compiler ({cxx!r} is not on PATH)")
-    from torch.utils.cpp_extension import is_ninja_available
-    if not is_ninja_available():
-        raise KernelUnavailable("ninja is not installed (pip install ninja)")
+    if ninja_dir() is None:
+        raise KernelUnavailable(f"ninja is not installed (pip install ninja, into {sys.prefix})")
+
+
+def build_directory(name: str) -> str:
+    """Where torch builds and caches extension ``name`` (``TORCH_EXTENSIONS_DIR``)."""
+    try:
+        from torch.utils.cpp_extension import _get_build_directory
+        return _get_build_directory(name, verbose=False)
+    except Exception:
+        return os.environ.get("TORCH_EXTENSIONS_DIR", "~/.cache/torch_extensions")
+
+
+def _staged_sources(name: str) -> list[str]:
+    """The sources copied into the build folder (``src/``), rewritten only when
+    they differ: the build's command lines name these paths, so they do not
+    change with where the package lives (two checkouts, an editable install and
+    a wheel share one build instead of rebuilding each other's)."""
+    dst = Path(build_directory(name)) / "src"
+    dst.mkdir(parents=True, exist_ok=True)
+    for p in SOURCES + HEADERS:
+        text = p.read_text()
+        target = dst / p.name
+        if not target.exists() or target.read_text() != text:
+            tmp = target.with_suffix(target.suffix + f".{os.getpid()}.tmp")
+            tmp.write_text(text)
+            os.replace(tmp, target)
+    return [str(dst / p.name) for p in SOURCES]
 
 
 def _is_built(name: str) -> bool:
     try:
-        from torch.utils.cpp_extension import _get_build_directory
-        return (Path(_get_build_directory(name, verbose=False)) / f"{name}.so").exists()
+        return (Path(build_directory(name)) / f"{name}.so").exists()
     except Exception:
         return False
 

@@ -24,6 +24,9 @@ def test_request_output_has_vllms_fields(tiny64):
     assert all(isinstance(c, CompletionOutput) for c in out.outputs) and [c.index for c in out.outputs] == [0, 1]
     assert out.outputs[0].token_ids == reference_generate(tiny64, [1, 2, 3], 5)
     assert out.outputs[0].finish_reason == "length" and isinstance(out.outputs[0].text, str)
+    shown = repr(out)       # one readable line: each sample's text, not the metrics' lists
+    assert "metrics" not in shown and "itl_steps" not in shown and "1: " in shown
+    assert repr(out.outputs[1].text) in shown and "(length, 5 tokens)" in shown
 
 
 def test_a_stop_string_cuts_text_and_tokens(tiny64):

@@ -32,6 +32,7 @@ def fake_venv(tmp_path: Path) -> Path:
     venv = tmp_path / "venv"
     venv.mkdir()
     (venv / ".installed").touch()
+    (venv / ".test-installed").touch()
     (venv / ".lab-installed").touch()
     return venv
 
@@ -176,3 +177,14 @@ def test_simulator_validation_page_is_in_the_book_and_rerun_by_nbval():
     assert "book/simulator_validation.ipynb" in (ROOT / "Makefile").read_text().split("NOTEBOOKS :=")[1].splitlines()[0]
     # the calibration data travels with its licence
     assert (ROOT / "data" / "gpu-profiles" / "LICENSE.vidur").is_file()
+
+
+@needs_make
+def test_make_book_installs_the_book_extra_and_make_test_the_test_extras(tmp_path: Path):
+    """A lean install for reading (issue 29): `make install` (what `make book`
+    runs) takes the book extra only; the test extras come with `make test`."""
+    book = make("-n", f"VENV={tmp_path / 'new'}", "install")
+    assert book.returncode == 0, book.stderr
+    assert '-e ".[book]"' in book.stdout and "test" not in book.stdout.split("[book")[1].split('"')[0]
+    test = make("-n", f"VENV={tmp_path / 'new'}", "unit")
+    assert '-e ".[book,test]"' in test.stdout, test.stdout
