@@ -82,6 +82,7 @@ def load_cpu_kernel(verbose: bool = False):
         from torch.utils.cpp_extension import load
         name = extension_name()
         building = not _is_built(name)
+        clear_stale_lock(build_directory(name))
         t0 = time.perf_counter()
         with _pinned_ninja(), _build_messages(name, building or verbose):
             _module = load(name, _staged_sources(name), extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
@@ -135,6 +136,31 @@ def _build_messages(name: str, say: bool):
     finally:
         done.set()
         thread.join()
+
+
+STALE_LOCK_S = 15 * 60     # a build folder untouched this long while locked: its builder died
+
+
+def clear_stale_lock(folder: str, max_age_s: float = STALE_LOCK_S) -> bool:
+    """Remove the ``lock`` file torch leaves in ``folder`` when a build is killed
+    (a timeout, Ctrl+C, an out-of-memory kill): torch would wait on it forever,
+    silently. A lock counts as stale when nothing in the folder (the lock, the
+    objects, ninja's log) has changed for ``max_age_s`` seconds; a live build
+    writes there far more often. Says so on stderr; returns whether it removed one."""
+    lock = Path(folder) / "lock"
+    try:
+        newest = max(p.stat().st_mtime for p in Path(folder).iterdir())
+    except (OSError, ValueError):
+        return False
+    if not lock.exists() or time.time() - newest < max_age_s:
+        return False
+    try:
+        lock.unlink()
+    except OSError:
+        return False
+    _say(f"removed a stale build lock in {folder} (a killed build left it; nothing had "
+         f"changed there for {_duration(time.time() - newest)})")
+    return True
 
 
 def ninja_dir() -> str | None:

@@ -79,3 +79,19 @@ def test_second_load_from_another_path_and_checkout_does_not_rebuild(tmp_path):
     assert second.returncode == 0, second.stderr
     assert "compiling" not in second.stderr, second.stderr
     assert so.stat().st_mtime_ns == mtime
+
+
+def test_a_stale_build_lock_is_removed_and_a_live_one_kept(tmp_path, capsys):
+    """A killed build leaves torch's lock file, on which every later load would
+    wait forever: one nobody has touched for long is removed, a fresh one kept."""
+    (tmp_path / "lock").touch()
+    (tmp_path / "build.ninja").write_text("")
+    assert not cpu_kernel.clear_stale_lock(str(tmp_path))            # a live build: kept
+    assert (tmp_path / "lock").exists()
+    old = time.time() - 2 * cpu_kernel.STALE_LOCK_S
+    for p in tmp_path.iterdir():
+        os.utime(p, (old, old))
+    assert cpu_kernel.clear_stale_lock(str(tmp_path))
+    assert not (tmp_path / "lock").exists() and "stale build lock" in capsys.readouterr().err
+    assert not cpu_kernel.clear_stale_lock(str(tmp_path))            # nothing left to remove
+    assert not cpu_kernel.clear_stale_lock(str(tmp_path / "missing"))
