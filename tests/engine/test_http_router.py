@@ -219,3 +219,21 @@ def test_bench_endpoint_through_the_router_has_one_servers_metric_set(backends):
     assert both["completed"] == one["completed"] == 6 and both["output_tokens"] == one["output_tokens"]
     assert both["server_generation_tokens_total"] == both["output_tokens"]      # summed over the backends
     assert sum(m[f'minibatch_router:requests_routed_total{{backend="{s.url}"}}'] for s in backends[:2]) == 6
+
+
+def test_the_prefix_key_is_the_token_ids_or_the_tokenizers_or_the_bytes():
+    from minibatch_engine.model.registry import tokenizer_for
+    from minibatch_engine.server.router_app import prefix_key
+    comp, chat = "/v1/completions", "/v1/chat/completions"
+    assert prefix_key({"prompt": [5, 6, 7]}, comp, None) == [5, 6, 7]
+    assert prefix_key({"prompt": [[5, 6], [8]]}, comp, None) == [5, 6]
+    assert prefix_key({"prompt": "hé"}, comp, None) == list("hé".encode())
+    tok = tokenizer_for("tiny")
+    assert prefix_key({"prompt": "hé"}, comp, tok) == tok.encode("hé")
+    one = prefix_key({"messages": [{"role": "user", "content": "hi"}]}, chat, None)
+    two = prefix_key({"messages": [{"role": "user", "content": "hi"},
+                                   {"role": "assistant", "content": "yo"}]}, chat, None)
+    assert two[:len(one)] == one                     # a longer conversation extends the key
+    app = build_router_app(["http://a"], model="tiny-py")
+    from minibatch_engine.server.launch import STATE_KEY
+    assert app[STATE_KEY]["tokenizer"] is not None
