@@ -1,4 +1,4 @@
-"""``python -m minibatch_engine {generate,bench,simulate,sweep,serve}`` (also ``minibatch-engine``).
+"""``python -m minibatch_engine {generate,bench,simulate,sweep,serve,route}`` (also ``minibatch-engine``).
 
 Every user error (a bad option value, a missing checkpoint, an impossible
 configuration) prints ``error: ...`` and exits with status 2.
@@ -252,7 +252,34 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0, metavar="S",
                     help="on SIGTERM, seconds the requests in flight may take to finish before they are aborted")
     _bench_args(sv, False, serve=True)
+    _route_args(sub)
     return parser
+
+
+def _route_args(sub) -> None:
+    from .cluster.router import ROUTER_POLICIES
+    rt = sub.add_parser("route", formatter_class=FORMATTER, help="route OpenAI's API over several servers",
+                        description="An OpenAI-compatible router in front of several servers (minibatch-engine "
+                                    "serve, vLLM, SGLang): each request goes to one backend, chosen by a "
+                                    "chapter 12 policy, and its reply streams back unchanged. GET /metrics "
+                                    "has the router's series and every backend's, labelled by backend.")
+    rt.add_argument("--backend", action="append", required=True, metavar="URL",
+                    help="a server's URL, e.g. http://127.0.0.1:8000 (repeat for each backend)")
+    rt.add_argument("--policy", choices=list(ROUTER_POLICIES), default="round-robin",
+                    help="how a backend is chosen")
+    rt.add_argument("--max-imbalance", type=non_negative_int, default=None, metavar="R",
+                    help="--policy prefix: consider only backends with at most R more requests in flight "
+                         "than the least busy (default: the policy's, 8)")
+    rt.add_argument("--model", default=None, metavar="M",
+                    help="key text prompts by this model's tokenizer ('tiny', 'tiny-py', a checkpoint "
+                         "directory); default: by their UTF-8 bytes (token-id prompts are keyed exactly)")
+    rt.add_argument("--block-size", type=positive_int, default=16, metavar="B",
+                    help="tokens per block of the router's prefix index (the backends' KV block size)")
+    rt.add_argument("--poll-interval", type=positive_float, default=0.5, metavar="S",
+                    help="seconds between polls of each backend's /health and /metrics")
+    rt.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    rt.add_argument("--port", type=_checked(int, lambda v: 0 <= v < 65536, "a port in [0, 65535]"),
+                    default=8080, help="TCP port")
 
 
 def main(argv=None) -> int:
@@ -270,6 +297,8 @@ def main(argv=None) -> int:
             return _cluster(args)
         if args.command == "serve":
             return _serve(args)
+        if args.command == "route":
+            return _route(args)
         return _bench(args, simulate=args.command == "simulate")
     except (ValueError, TypeError, KeyError, OSError, NotImplementedError) as e:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
@@ -342,6 +371,18 @@ def _serve(args) -> int:
                    attention_backend=args.attention_backend, cpu_threads=args.cpu_threads,
                    **_engine_options(args), **_spec_option(args))
     serve(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout)
+    return 0
+
+
+def _route(args) -> int:
+    try:
+        from .server.router_app import build_router_app, route
+    except ImportError as e:
+        raise ValueError(f"route needs the serve extra ({e.name} is missing): "
+                         "pip install 'minibatch-engine[serve]'") from None
+    app = build_router_app(args.backend, policy=args.policy, max_imbalance=args.max_imbalance,
+                           model=args.model, block_size=args.block_size, poll_interval=args.poll_interval)
+    route(app, host=args.host, port=args.port)
     return 0
 
 
