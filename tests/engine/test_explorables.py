@@ -97,6 +97,7 @@ def _sim_engine(scheduler, lengths, B=4):
 
 def test_a_trace_panel_holds_every_lane_and_the_totals_check_the_trace():
     from minibatch_engine.book.explorables import step_scrubber, totals_check, trace_panel
+    from minibatch_engine.book.explorables.timeline import KIND, KINDS
     lengths = [(12, 30), (40, 8), (8, 60), (25, 15), (30, 45), (10, 5)]
     traces = {k: _sim_engine(k, lengths).trace for k in ("static", "continuous")}
     for key, tr in traces.items():
@@ -106,6 +107,14 @@ def test_a_trace_panel_holds_every_lane_and_the_totals_check_the_trace():
         assert sum(c[2] for cells in panel["steps"] for c in cells) == tr.computed_tokens
         pad = sum(c[2] for cells in panel["steps"] for c in cells if c[1] == 4)
         assert pad == tr.computed_tokens - tr.useful_tokens
+    if NODE is not None:
+        # a static prefill step pads the shorter prompts: their rows show prefill
+        panel = trace_panel(traces["static"], "static", "static")
+        kinds = [list(k) for k in KINDS]
+        got = run_js(f"MBE.rowStates({json.dumps(panel['steps'][0])}, {json.dumps(kinds)})",
+                     "timeline.js")
+        assert any(c[1] == KIND["pad"] for c in panel["steps"][0])
+        assert {KINDS[lane[1]][0] for lane in got.values()} == {"prefill"}
     chk = totals_check(traces)
     assert chk["set"] == {"step": max(len(t) for t in traces.values()) - 1}
     assert chk["expect"]["continuous-pad"] == 0
@@ -130,6 +139,9 @@ def test_the_sweep_keeps_each_requests_latencies_and_they_give_its_numbers(tmp_p
             pytest.approx(row["tpot_ms_p99"])
     e = sweep_latency(curves, slo)
     assert [c["set"]["rate"] for c in e.checks] == [0, 1]
+    # the page's "met the SLO" is the sweep's: the window's arrivals only
+    assert [c["expect"]["paged-met"] for c in e.checks] == \
+        pytest.approx([row["steady_slo_attainment"] for row in curves["paged"]], rel=1e-5)
     if NODE is None:
         return
     for k, row in enumerate(curves["paged"]):
@@ -139,6 +151,14 @@ def test_the_sweep_keeps_each_requests_latencies_and_they_give_its_numbers(tmp_p
         # browser check's tolerance, 1e-5
         assert got["goodput"] == pytest.approx(row["steady_goodput"], rel=1e-5)
         assert got["attainment"] == pytest.approx(row["steady_slo_attainment"], rel=1e-5)
+        met = run_js(f"MBE.attainment({json.dumps(run)}, {json.dumps(slo)})", "latency.js")
+        assert met == pytest.approx(row["steady_slo_attainment"], rel=1e-5)
+    # without a window (chapter 7), the share of every request
+    run = dict(e.data["cells"]["1"][0], window=None)
+    met = run_js(f"MBE.attainment({json.dumps(run)}, {json.dumps(slo)})", "latency.js")
+    want = np.mean([t is not None and t <= slo["ttft"] and (p is None or p <= slo["tpot"])
+                    for t, p in zip(run["ttft"], run["tpot"])])
+    assert met == pytest.approx(want, rel=1e-12)
 
 
 def test_policy_latency_checks_are_the_group_summary():

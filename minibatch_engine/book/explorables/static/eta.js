@@ -65,7 +65,7 @@
         if (b > 0) MBE.svg("line", { x1: 0, x2: W, y1: b * lane - 0.2, y2: b * lane - 0.2,
           style: "stroke:var(--mbe-fg);stroke-width:0.5;opacity:0.6" }, svg);
       }
-      axis.textContent = "The widest batch spans " + widest + " token rows.";
+      axis.textContent = "The widest batch spans " + widest + " token positions (columns).";
     };
     sigma = MBE.control(root, box, { name: "sigma", label: "σ of log(output length)", type: "range",
       min: 0, max: d.sigmas.length - 1, value: d.sigma,

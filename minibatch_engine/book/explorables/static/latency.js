@@ -1,8 +1,9 @@
 // Latency distributions side by side (chapters 7 and 8): per-request TTFT and
 // TPOT of several runs; the reader picks the group (a class, a rate), a
 // percentile and the SLO; the page computes each run's percentiles
-// (numpy's linear rule, MBE.percentile), the share meeting the SLO and, where
-// the run has a steady-state window, goodput (vLLM: requests/s meeting every SLO).
+// (numpy's linear rule, MBE.percentile), the share meeting the SLO (of the
+// steady-state window's arrivals where the run has a window, else of every
+// request) and, with a window, goodput (vLLM: requests/s meeting every SLO).
 // data: {selectors: [{name, label, type, options: [text...], value}],
 //   cells: {"i[,j]": [{key, label, color, ttft: [ms|null], tpot|e2el: [ms|null],
 //                      arrival: [s], window: [a, b]}]},
@@ -30,6 +31,14 @@
       }
     }
     return { goodput: good / (b - a), attainment: n ? good / n : NaN };
+  };
+  // the share meeting the SLO: of the window's arrivals where the run has a
+  // window (the sweep's steady_slo_attainment), else of every request
+  MBE.attainment = function (run, slo) {
+    if (run.window) return MBE.goodput(run, slo).attainment;
+    var good = 0, n = run.ttft.length;
+    for (var j = 0; j < n; j++) if (MBE.meets(run, j, slo)) good++;
+    return n ? good / n : NaN;
   };
   MBE.kinds.latency = function (root, d) {
     var box = MBE.el("div", { "class": "mbe-controls" }, root);
@@ -102,9 +111,10 @@
           var td = MBE.el("td", {}, tr);
           MBE.out(td, r.key + "-" + m[0])(v, MBE.fmt(v, v < 100 ? 1 : 0));
         });
-        var good = 0, n = r.ttft.length;
-        for (var j = 0; j < n; j++) if (MBE.meets(r, j, slo)) good++;
-        MBE.out(MBE.el("td", {}, tr), r.key + "-met")(good / n, (100 * good / n).toFixed(1) + "%");
+        // with a steady-state window, the share of the window's arrivals
+        // (steady_slo_attainment); without one, of every request
+        var met = MBE.attainment(r, slo);
+        MBE.out(MBE.el("td", {}, tr), r.key + "-met")(met, (100 * met).toFixed(1) + "%");
         if (withGoodput) {
           var g = r.window ? MBE.goodput(r, slo).goodput : NaN;
           MBE.out(MBE.el("td", {}, tr), r.key + "-goodput")(g, MBE.fmt(g, 1));

@@ -7,6 +7,17 @@
 // ]}], variant, step}
 (function () {
   var MBE = window.MBE;
+  // the lane that names each row's state in a step: its first lane that is not
+  // padding (a prefill lane that also carries pad tokens shows as prefill, as
+  // in the chapter's figure), else its first lane; {row: lane}
+  MBE.rowStates = function (lanes, kinds) {
+    var pick = {};
+    lanes.forEach(function (l) {
+      var q = pick[l[0]];
+      if (!q || (kinds[q[1]][0] === "pad" && kinds[l[1]][0] !== "pad")) pick[l[0]] = l;
+    });
+    return pick;
+  };
   MBE.kinds.timeline = function (root, d) {
     var box = MBE.el("div", { "class": "mbe-controls" }, root);
     var view = MBE.el("div", { "class": "mbe-view" }, root);
@@ -41,10 +52,10 @@
           delete open[r];
         };
         p.steps.forEach(function (lanes, t) {
-          var seen = {};
+          var seen = {}, pick = MBE.rowStates(lanes, d.kinds);
           lanes.forEach(function (l) {
             var r = l[0], o = open[r];
-            if (seen[r] !== undefined) return; // first lane of a row names the row's state
+            if (pick[r] !== l) return;
             seen[r] = 1;
             if (o && o.kind === l[1] && o.req === l[3] && o.t1 === t - 1) { o.t1 = t; return; }
             flush(r);
@@ -58,8 +69,8 @@
         var outs = MBE.el("div", { "class": "mbe-outs" }, el);
         var o = {
           p: p, cursor: cursor, sx: sx, W: W,
-          stepRows: MBE.out(outs, p.key + "-step-rows", "rows this step:"),
-          rowsSoFar: MBE.out(outs, p.key + "-rows", "rows so far:"),
+          stepRows: MBE.out(outs, p.key + "-step-rows", "tokens computed this step:"),
+          rowsSoFar: MBE.out(outs, p.key + "-rows", "tokens computed so far:"),
           padSoFar: p.pad ? MBE.out(outs, p.key + "-pad", "padding so far:") : function () {},
           series: (p.series || []).map(function (s) {
             return { s: s, at: MBE.out(outs, p.key + "-" + s.key, s.label + ":"),
