@@ -268,9 +268,12 @@ async def _relay(request: web.Request, upstream: aiohttp.ClientResponse, b: Back
                             headers={**headers, "Content-Type": ctype})
     resp = web.StreamResponse(status=200, headers={**headers, "Content-Type": ctype, "Cache-Control": "no-cache"})
     await resp.prepare(request)
-    async for chunk in upstream.content.iter_any():
-        await resp.write(chunk)
-    await resp.write_eof()
+    try:
+        async for chunk in upstream.content.iter_any():
+            await resp.write(chunk)
+        await resp.write_eof()
+    except ConnectionResetError:        # the client left mid-stream (or right after [DONE]):
+        upstream.close()                # drop the upstream connection, so the backend aborts
     return resp
 
 
