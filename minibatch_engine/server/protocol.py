@@ -2,8 +2,10 @@
 checking a request, and building the JSON a client expects back.
 
 Every check names the field it refuses (``APIError.param``), and the server
-answers it with HTTP 400 and OpenAI's error body
-``{"error": {"message", "type", "param", "code"}}``. Fields OpenAI defines but
+answers it with HTTP 400 and OpenAI's error shape
+``{"error": {"message", "type", "param", "code"}}``, with the HTTP status in
+``code`` as vLLM does (OpenAI's own ``code`` is a string or null, and its
+``type`` values differ). Fields OpenAI defines but
 this engine does not implement (``logprobs``, penalties, ``suffix``, ...) are
 refused by name when set, never silently ignored; fields nobody defines are
 ignored, as OpenAI's own server does.
@@ -21,7 +23,7 @@ MAX_N = 128                     # most choices per request
 
 
 class APIError(Exception):
-    """An error with its HTTP status and OpenAI's body."""
+    """An error with its HTTP status, answered in OpenAI's error shape."""
 
     TYPES = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable_error",
              500: "internal_server_error"}
