@@ -57,17 +57,19 @@ LOAD = ("from minibatch_engine.attention.cpu_kernel import load_cpu_kernel, exte
 
 @pytest.mark.slow
 def test_second_load_from_another_path_and_checkout_does_not_rebuild(tmp_path):
-    """Build once in a fresh cache, then load again with the system's bin folders
-    first on PATH (an unactivated venv) and from a copy of the package elsewhere
-    (another checkout): nothing is compiled the second time."""
+    """Load once in the environment's own cache (building it if this is the first
+    load anywhere: the suite needs it anyway, and a build of its own would cost CI
+    minutes), then again with the system's bin folders first on PATH (an
+    unactivated venv) and from a copy of the package elsewhere (another
+    checkout): nothing is compiled the second time."""
     if not cpu_kernel.cpu_kernel_available():
         pytest.skip("the C++ kernels cannot be built here")
-    env = dict(os.environ, PYTHONPATH=str(ROOT), TORCH_EXTENSIONS_DIR=str(tmp_path / "ext"))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
     first = subprocess.run([sys.executable, "-c", LOAD], capture_output=True, text=True,
                            env=env, timeout=1800)
     assert first.returncode == 0, first.stderr
-    assert "compiling the C++ CPU kernels" in first.stderr
-    assert "C++ CPU kernels compiled in" in first.stderr, first.stderr
+    if "compiling the C++ CPU kernels" in first.stderr:         # this load built them
+        assert "C++ CPU kernels compiled in" in first.stderr, first.stderr
     so = next(Path(first.stdout.strip()).glob("*.so"))
     mtime = so.stat().st_mtime_ns
     other = tmp_path / "checkout"
