@@ -15,6 +15,10 @@ TORCH_INDEX ?=
 STAMP   := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.test-installed
 LAB_STAMP := $(VENV)/.lab-installed
+# The venv's IPython kernel configuration (tools/ipython_kernel_config.py): it
+# drops ipykernel's "running over TCP without encryption" warning, which every
+# kernel nbval and nbconvert start on this machine's loopback would print.
+KERNEL_CFG := $(VENV)/etc/ipython/ipython_kernel_config.py
 # The extras `make test` adds to the book's (pyproject.toml): pytest, nbval,
 # playwright, transformers. TEST_EXTRAS=test,triton adds the Triton backend's
 # CPU-interpreter tests (about 1 GB more).
@@ -50,6 +54,9 @@ $(TEST_STAMP): $(STAMP)
 	touch $(TEST_STAMP)
 	@echo "installed the test extras: .venv is now $$(du -sh $(VENV) | cut -f1)"
 
+$(KERNEL_CFG): tools/ipython_kernel_config.py | $(STAMP)
+	install -D -m 644 $< $@
+
 install: $(STAMP)  ## create .venv and install the package with the book extra (what building the site needs)
 
 install-test: $(TEST_STAMP)  ## install the test extras too (pytest, nbval, playwright, transformers)
@@ -67,7 +74,7 @@ unit: $(TEST_STAMP)  ## unit, property and equivalence tests (pytest tests/)
 # One pytest per notebook, so each chapter's name shows as it starts (with its
 # time at the end); every notebook runs even when one fails, and the target
 # fails at the end, naming the ones that failed.
-nbval: $(TEST_STAMP)  ## re-run every chapter and compare with its stored outputs
+nbval: $(TEST_STAMP) $(KERNEL_CFG)  ## re-run every chapter and compare with its stored outputs
 	@# the C++ kernels are built (or found cached) first, so no chapter's output carries the build message
 	@$(PY) -c "from minibatch_engine.attention.cpu_kernel import cpu_kernel_or_none; cpu_kernel_or_none()"
 	@failed=""; n=0; total=$(words $(NOTEBOOKS)); \
@@ -82,7 +89,7 @@ nbval: $(TEST_STAMP)  ## re-run every chapter and compare with its stored output
 
 test: unit nbval build site-check-if-browser  ## unit tests, nbval, the -W build, the browser check
 
-notebooks: $(TEST_STAMP)  ## re-execute every chapter in place (fresh stored outputs)
+notebooks: $(TEST_STAMP) $(KERNEL_CFG)  ## re-execute every chapter in place (fresh stored outputs)
 	for nb in $(NOTEBOOKS); do \
 	  echo "executing $$nb"; \
 	  $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace \
@@ -97,7 +104,7 @@ $(LAB_STAMP): $(STAMP)
 # BookContentsManager (minibatch_engine/book/lab_server.py) fills in the glued
 # numbers when Lab opens a chapter and writes the source back when it saves.
 LAB_CONTENTS := minibatch_engine.book.lab_server.BookContentsManager
-lab: $(LAB_STAMP)  ## JupyterLab on chapters/ (LAB_ARGS="--port 8889 --no-browser"; root adds --allow-root)
+lab: $(LAB_STAMP) $(KERNEL_CFG)  ## JupyterLab on chapters/ (LAB_ARGS="--port 8889 --no-browser"; root adds --allow-root)
 	$(VENV)/bin/jupyter lab $(LAB_ROOT) --ServerApp.contents_manager_class=$(LAB_CONTENTS) $(LAB_ARGS) chapters/
 
 check-lab: $(LAB_STAMP) $(TEST_STAMP)  ## open every chapter in JupyterLab (headless Chromium): numbers filled in, not modified

@@ -188,3 +188,27 @@ def test_make_book_installs_the_book_extra_and_make_test_the_test_extras(tmp_pat
     assert '-e ".[book]"' in book.stdout and "test" not in book.stdout.split("[book")[1].split('"')[0]
     test = make("-n", f"VENV={tmp_path / 'new'}", "unit")
     assert '-e ".[book,test]"' in test.stdout, test.stdout
+
+
+def test_the_kernel_config_drops_only_the_unencrypted_tcp_warning():
+    """tools/ipython_kernel_config.py (copied into the venv by the Makefile)
+    silences ipykernel's loopback-TCP warning and nothing else."""
+    import logging
+    import runpy
+    path = ROOT / "tools" / "ipython_kernel_config.py"
+    assert "$(KERNEL_CFG)" in (ROOT / "Makefile").read_text()
+    log, seen = logging.getLogger("IPKernelApp"), []
+
+    class Keep(logging.Handler):
+        def emit(self, record):
+            seen.append(record.getMessage())
+    handler, before = Keep(), list(log.filters)
+    log.addHandler(handler)
+    try:
+        runpy.run_path(str(path))
+        log.warning("Kernel is running over TCP without encryption. All communication ...")
+        log.warning("something else")
+    finally:
+        log.removeHandler(handler)
+        log.filters[:] = before
+    assert seen == ["something else"]
