@@ -18,7 +18,12 @@ needs_make = pytest.mark.skipif(shutil.which("make") is None, reason="make is no
 
 
 def make(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess:
-    return subprocess.run(["make", "--no-print-directory", *args], cwd=cwd, capture_output=True, text=True)
+    """``make`` as a reader runs it: without the variables an enclosing make
+    (``make test TEST_EXTRAS=...`` running this suite) passes down in MAKEFLAGS."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "MAKEOVERRIDES", "TEST_EXTRAS")}
+    return subprocess.run(["make", "--no-print-directory", *args], cwd=cwd, capture_output=True,
+                          text=True, env=env)
 
 
 def phony_targets() -> list[str]:
