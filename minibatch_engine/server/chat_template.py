@@ -24,8 +24,8 @@ import json
 from pathlib import Path
 from typing import Callable
 
-BYTE_LEVEL_TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>\n{{ m.content }}\n{% endfor %}"
-                       "{% if add_generation_prompt %}<|assistant|>\n{% endif %}")
+from ..model.hf_tokenizer import BYTE_LEVEL_TEMPLATE
+
 
 
 def byte_level_chat(messages: list[dict], add_generation_prompt: bool = True) -> str:
