@@ -19,6 +19,10 @@ LAB_STAMP := $(VENV)/.lab-installed
 # drops ipykernel's "running over TCP without encryption" warning, which every
 # kernel nbval and nbconvert start on this machine's loopback would print.
 KERNEL_CFG := $(VENV)/etc/ipython/ipython_kernel_config.py
+# JupyterLab's settings overrides for this venv (tools/jupyterlab_overrides.json):
+# never ask about, or fetch, "official Jupyter news", whose pop-up otherwise
+# covers every view `make lab` opens; no check for newer JupyterLab versions.
+LAB_OVERRIDES := $(VENV)/share/jupyter/lab/settings/overrides.json
 # The extras `make test` adds to the book's (pyproject.toml): pytest, nbval,
 # playwright, transformers. TEST_EXTRAS=test,triton adds the Triton backend's
 # CPU-interpreter tests (about 1 GB more).
@@ -55,6 +59,9 @@ $(TEST_STAMP): $(STAMP)
 	@echo "installed the test extras: .venv is now $$(du -sh $(VENV) | cut -f1)"
 
 $(KERNEL_CFG): tools/ipython_kernel_config.py | $(STAMP)
+	install -D -m 644 $< $@
+
+$(LAB_OVERRIDES): tools/jupyterlab_overrides.json | $(STAMP)
 	install -D -m 644 $< $@
 
 install: $(STAMP)  ## create .venv and install the package with the book extra (what building the site needs)
@@ -104,10 +111,10 @@ $(LAB_STAMP): $(STAMP)
 # BookContentsManager (minibatch_engine/book/lab_server.py) fills in the glued
 # numbers when Lab opens a chapter and writes the source back when it saves.
 LAB_CONTENTS := minibatch_engine.book.lab_server.BookContentsManager
-lab: $(LAB_STAMP) $(KERNEL_CFG)  ## JupyterLab on chapters/ (LAB_ARGS="--port 8889 --no-browser"; root adds --allow-root)
+lab: $(LAB_STAMP) $(KERNEL_CFG) $(LAB_OVERRIDES)  ## JupyterLab on chapters/ (LAB_ARGS="--port 8889 --no-browser"; root adds --allow-root)
 	$(VENV)/bin/jupyter lab $(LAB_ROOT) --ServerApp.contents_manager_class=$(LAB_CONTENTS) $(LAB_ARGS) chapters/
 
-check-lab: $(LAB_STAMP) $(TEST_STAMP)  ## open every chapter in JupyterLab (headless Chromium): numbers filled in, not modified
+check-lab: $(LAB_STAMP) $(TEST_STAMP) $(LAB_OVERRIDES)  ## open every chapter in JupyterLab (headless Chromium): numbers filled in, not modified
 	CHROMIUM=$(CHROMIUM) $(PY) tools/check_lab.py $(NOTEBOOKS)
 
 # gpu-check installs nothing: it runs with .venv's Python when there is one, else

@@ -103,3 +103,62 @@ def test_chapter_two_in_jupyterlab():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "dropdowns" in proc.stdout and " ok" in proc.stdout, proc.stdout
+
+
+@pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"no browser at {CHROMIUM}")
+def test_lab_with_the_venvs_settings_shows_no_news_pop_up(tmp_path: Path):
+    """`make lab` installs tools/jupyterlab_overrides.json as the venv's
+    share/jupyter/lab/settings/overrides.json. A copy of this venv's Lab
+    application folder with that file: the settings API reports the override,
+    and the "official Jupyter news" question never appears in the browser
+    (without the file, JupyterLab's schema asks it: fetchNews "none")."""
+    import json
+    import shutil
+    import socket
+    import time
+    import urllib.request
+    pytest.importorskip("jupyterlab")
+    sync_playwright = pytest.importorskip("playwright.sync_api").sync_playwright
+    installed = Path(sys.prefix) / "share" / "jupyter" / "lab"
+    schema = installed / "schemas" / "@jupyterlab" / "apputils-extension" / "notification.json"
+    assert json.loads(schema.read_text())["properties"]["fetchNews"]["default"] == "none"
+    app = tmp_path / "lab"
+    shutil.copytree(installed, app, ignore=shutil.ignore_patterns("settings"))
+    (app / "settings").mkdir()
+    shutil.copy(ROOT / "tools" / "jupyterlab_overrides.json", app / "settings" / "overrides.json")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, JUPYTERLAB_DIR=str(app), JUPYTER_CONFIG_DIR=str(tmp_path / "cfg"),
+               JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "user"),
+               JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "ws"))
+    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--ip=127.0.0.1",
+           "--IdentityProvider.token=t", f"--ServerApp.root_dir={tmp_path}"]
+    if os.geteuid() == 0:
+        cmd.append("--allow-root")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"{base}/api/status?token=t", timeout=2)
+                break
+            except OSError:
+                assert time.time() < deadline and proc.poll() is None, "jupyter lab did not start"
+                time.sleep(0.5)
+        url = f"{base}/lab/api/settings/@jupyterlab/apputils-extension:notification?token=t"
+        served = json.loads(urllib.request.urlopen(url).read())
+        assert served["schema"]["properties"]["fetchNews"]["default"] == "false"
+        with sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox"])
+            page = browser.new_page()
+            page.goto(f"{base}/lab?token=t")
+            page.wait_for_selector("#jp-main-dock-panel", timeout=120_000)
+            page.wait_for_timeout(8000)     # the question comes as a toast after start-up
+            shown = page.inner_text("body")
+            browser.close()
+        assert "official Jupyter news" not in shown
+    finally:
+        proc.terminate()
+        proc.wait(30)

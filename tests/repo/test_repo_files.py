@@ -217,3 +217,50 @@ def test_the_kernel_config_drops_only_the_unencrypted_tcp_warning():
         log.removeHandler(handler)
         log.filters[:] = before
     assert seen == ["something else"]
+
+
+# --- JupyterLab's settings for `make lab` (issue 39) -------------------------------------------
+
+LAB_OVERRIDES = ROOT / "tools" / "jupyterlab_overrides.json"
+
+
+@needs_make
+def test_make_lab_installs_the_lab_settings_overrides(fake_venv: Path):
+    """`make lab` (and `make check-lab`) copy tools/jupyterlab_overrides.json to
+    the venv's JupyterLab settings, where Lab reads overrides.json."""
+    for target in ("lab", "check-lab"):
+        out = make("-n", f"VENV={fake_venv}", target)
+        assert out.returncode == 0, out.stderr
+        dest = fake_venv / "share" / "jupyter" / "lab" / "settings" / "overrides.json"
+        assert f"install -D -m 644 tools/jupyterlab_overrides.json {dest}" in out.stdout, out.stdout
+
+
+def test_lab_overrides_turn_off_the_news_pop_up_and_match_jupyterlabs_schema():
+    """The overrides say "never" to the news pop-up, and every key is a real
+    setting of the installed JupyterLab whose value its schema accepts."""
+    import json
+    import sys
+    overrides = json.loads(LAB_OVERRIDES.read_text())
+    plugin = "@jupyterlab/apputils-extension:notification"
+    assert overrides[plugin]["fetchNews"] == "false"
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("jupyterlab")
+    schemas = Path(sys.prefix) / "share" / "jupyter" / "lab" / "schemas"
+    for name, values in overrides.items():
+        package, file = name.split(":")
+        schema_file = schemas / package / f"{file}.json"
+        assert schema_file.is_file(), f"{name}: no schema {schema_file} in this JupyterLab"
+        properties = json.loads(schema_file.read_text())["properties"]
+        for key, value in values.items():
+            assert key in properties, f"{name} has no setting {key!r}"
+            jsonschema.validate(value, properties[key])
+
+
+def test_jupyterlab_server_reads_the_overrides_file(tmp_path: Path):
+    """jupyterlab_server, given the settings folder the Makefile fills, finds
+    the override (what Lab then uses as the setting's default)."""
+    settings_utils = pytest.importorskip("jupyterlab_server.settings_utils")
+    shutil.copy(LAB_OVERRIDES, tmp_path / "overrides.json")
+    found, error = settings_utils._get_overrides(str(tmp_path))
+    assert not error, error
+    assert found["@jupyterlab/apputils-extension:notification"]["fetchNews"] == "false"
