@@ -30,6 +30,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     tie_word_embeddings: bool = False
     attention_bias: bool = False
+    qk_norm: bool = False          # Qwen3: RMSNorm over each head's q and k before RoPE
     eos_token_id: int | None = None
     bos_token_id: int | None = None
     name: str = "custom"
@@ -64,6 +65,7 @@ class ModelConfig:
             mlp = 3 * d * self.intermediate_size
             norms = 2 * d
             bias = (q + 2 * kv) if self.attention_bias else 0
+            norms += 2 * hd if self.qk_norm else 0
         else:  # gpt2: biases everywhere, LayerNorm has weight and bias
             mlp = 2 * d * self.intermediate_size + self.intermediate_size + d
             norms = 4 * d

@@ -36,7 +36,8 @@ __all__ = ["CheckpointError", "UnsupportedCheckpointError", "load_model", "confi
            "read_hf_config", "llama_weights", "gpt2_weights", "SUPPORTED_MODEL_TYPES"]
 
 # model_type in config.json -> our family.
-SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "gpt2": "gpt2"}
+SUPPORTED_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "llama", "qwen3": "llama",
+                         "gpt2": "gpt2"}
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -148,8 +149,9 @@ def rope_theta_from_hf(hf: dict, default: float = 10000.0) -> float:
 
 
 def _llama_like_config(hf: dict, name: str, path: Path | None) -> ModelConfig:
-    """Llama, Mistral and Qwen2 share one architecture up to two switches:
-    Qwen2 has a bias on q, k, v; Mistral may use sliding-window attention."""
+    """Llama, Mistral, Qwen2 and Qwen3 share one architecture up to three
+    switches: Qwen2 has a bias on q, k, v; Qwen3 normalises each head's q and k
+    (RMSNorm) before RoPE; Mistral may use sliding-window attention."""
     model_type = hf["model_type"]
     if hf.get("hidden_act", "silu") != "silu":
         raise UnsupportedCheckpointError(
@@ -161,13 +163,15 @@ def _llama_like_config(hf: dict, name: str, path: Path | None) -> ModelConfig:
         attention_bias = True                # Qwen2 always has q/k/v bias, no o_proj bias
         window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
     else:
-        if hf.get("attention_bias"):         # Llama's flag also puts a bias on o_proj
+        if hf.get("attention_bias"):         # Llama's and Qwen3's flag also biases o_proj
             raise UnsupportedCheckpointError(
                 f"attention_bias=true is not supported for model_type {model_type!r} "
                 "(it adds a bias to o_proj as well)")
         attention_bias = False
         # Mistral's default (when the key is absent) is a 4096-token window.
         window = hf.get("sliding_window", 4096) if model_type == "mistral" else None
+        if model_type == "qwen3":
+            window = hf.get("sliding_window") if hf.get("use_sliding_window") else None
     if window is not None and int(window) < max_position:
         raise UnsupportedCheckpointError(
             f"sliding-window attention (sliding_window={window} < max_position_embeddings="
@@ -192,6 +196,7 @@ def _llama_like_config(hf: dict, name: str, path: Path | None) -> ModelConfig:
         rope_theta=rope_theta_from_hf(hf),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         attention_bias=attention_bias,
+        qk_norm=model_type == "qwen3",
         bos_token_id=bos, eos_token_id=eos,
     )
 
@@ -262,7 +267,7 @@ def checkpoint_dtype(hf: dict) -> torch.dtype:
 # (dim 0 of an nn.Linear weight, which is stored [out_features, in_features]).
 
 def llama_weights(cfg: ModelConfig, ckpt: "SafetensorsCheckpoint") -> dict[str, torch.Tensor]:
-    """Llama / Mistral / Qwen2 names (``model.layers.{i}.self_attn.q_proj.weight``, ...)."""
+    """Llama / Mistral / Qwen2 / Qwen3 names (``model.layers.{i}.self_attn.q_proj.weight``, ...)."""
     d, hd, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
     q_out, kv_out = cfg.num_heads * hd, cfg.num_kv_heads * hd
     embed = ckpt.get("model.embed_tokens.weight", (cfg.vocab_size, d))
@@ -282,6 +287,9 @@ def llama_weights(cfg: ModelConfig, ckpt: "SafetensorsCheckpoint") -> dict[str, 
                 ckpt.get(hf + "self_attn.v_proj.bias", (kv_out,)),
             ])
         out[ours + "attn.o_proj.weight"] = ckpt.get(hf + "self_attn.o_proj.weight", (d, q_out))
+        if cfg.qk_norm:                      # Qwen3
+            out[ours + "attn.q_norm.weight"] = ckpt.get(hf + "self_attn.q_norm.weight", (hd,))
+            out[ours + "attn.k_norm.weight"] = ckpt.get(hf + "self_attn.k_norm.weight", (hd,))
         out[ours + "mlp_norm.weight"] = ckpt.get(hf + "post_attention_layernorm.weight", (d,))
         out[ours + "mlp.gate_up_proj.weight"] = torch.cat([
             ckpt.get(hf + "mlp.gate_proj.weight", (inter, d)),

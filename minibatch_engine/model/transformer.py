@@ -4,7 +4,8 @@ Two families share one skeleton (embed -> N x [norm, attention, norm, MLP] -> no
 -> lm_head):
 
 * ``llama``: RMSNorm, rotary position embedding (RoPE), grouped-query attention,
-  SwiGLU MLP, no biases (optional q/k/v bias).
+  SwiGLU MLP, no biases (optional q/k/v bias, as in Qwen2; optional RMSNorm of
+  each head's query and key before RoPE, as in Qwen3).
 * ``gpt2``: LayerNorm, learned absolute positions, GELU MLP, biases everywhere.
 
 Every layer except attention works on the ``[T, hidden]`` matrix of all new
@@ -54,12 +55,19 @@ class Attention(nn.Module):
         bias = cfg.attention_bias or cfg.family == "gpt2"
         self.qkv_proj = nn.Linear(cfg.hidden_size, q + 2 * kv, bias=bias)   # fused q, k, v
         self.o_proj = nn.Linear(q, cfg.hidden_size, bias=cfg.family == "gpt2")
+        if cfg.qk_norm:   # Qwen3: each head's q and k normalised over head_dim
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps)
 
     def forward(self, x, rope, meta: BatchMetadata, kv_layer):
         T = x.shape[0]
         qk, v = self.qkv_proj(x).split(
             [(self.num_heads + self.num_kv_heads) * self.head_dim, self.num_kv_heads * self.head_dim], dim=-1)
         qk = qk.view(T, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.cfg.qk_norm:
+            H, D = self.num_heads, self.head_dim
+            qk = torch.cat([self.q_norm(qk[:, :H].reshape(-1, D)).view(T, H, D),
+                            self.k_norm(qk[:, H:].reshape(-1, D)).view(T, -1, D)], dim=1)
         if rope is not None:   # q and k heads rotated together: one set of ops, not two
             qk = fused.apply_rope(qk, *rope)
         q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)

@@ -54,6 +54,9 @@ def llama_like(model_type: str = "llama", tie: bool = False, seed: int = 0, **ex
         cls_cfg, cls = transformers.LlamaConfig, transformers.LlamaForCausalLM
     elif model_type == "qwen2":
         cls_cfg, cls = transformers.Qwen2Config, transformers.Qwen2ForCausalLM
+    elif model_type == "qwen3":
+        cls_cfg, cls = transformers.Qwen3Config, transformers.Qwen3ForCausalLM
+        kwargs.setdefault("head_dim", 16)
     elif model_type == "mistral":
         cls_cfg, cls = transformers.MistralConfig, transformers.MistralForCausalLM
         kwargs.setdefault("sliding_window", None)
@@ -199,13 +202,30 @@ def test_special_ids_and_eos_list(tmp_path):
     assert (cfg.eos_token_id, cfg.bos_token_id) == (5, 3)
 
 
-@pytest.mark.parametrize("model_type", ["qwen2", "mistral"])
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3", "mistral"])
 def test_llama_variants_parity(tmp_path, model_type):
     hf_model = llama_like(model_type, seed=8)
     save(hf_model, tmp_path)
     ours = load_model(tmp_path, device="cpu", dtype="float32")
     assert ours.config.attention_bias == (model_type == "qwen2")
+    assert ours.config.qk_norm == (model_type == "qwen3")
+    assert ours.config.num_parameters() == sum(p.numel() for p in ours.parameters())
     assert_parity(hf_model, ours, gen_tokens=16)
+
+
+def test_qwen3_norms_are_loaded_not_left_at_one(tmp_path):
+    """The q/k norms change the logits: a Qwen3 checkpoint read as if it had none
+    (norm weights of one) must not match transformers."""
+    hf_model = llama_like("qwen3", seed=9)
+    save(hf_model, tmp_path)
+    ours = load_model(tmp_path, device="cpu", dtype="float32")
+    weights = [m.attn.q_norm.weight for m in ours.layers] + [m.attn.k_norm.weight for m in ours.layers]
+    assert all(not torch.allclose(w, torch.ones_like(w)) for w in weights)
+    with torch.no_grad():
+        for w in weights:
+            w.fill_(1.0)
+    with pytest.raises(AssertionError):
+        assert_parity(hf_model, ours, gen_tokens=4)
 
 
 # --- GPT-2 -----------------------------------------------------------------------------
