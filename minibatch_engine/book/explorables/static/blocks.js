@@ -6,6 +6,10 @@
 (function () {
   var MBE = window.MBE;
   var PALETTE = ["#4c72b0", "#dd8452", "#55a868", "#8172b2", "#da8bc3", "#937860", "#64b5cd", "#ccb974"];
+  // a shared block: a mid-tone between the text and the page, so its label (in the
+  // text colour, with a halo of the page colour) reads in light and dark mode
+  var SHARED = "color-mix(in srgb, var(--mbe-fg) 45%, var(--mbe-bg))";
+  var HALO = ";paint-order:stroke;stroke:var(--mbe-bg);stroke-width:3px;stroke-linejoin:round";
   MBE.blockCounts = function (s) {
     var refs = {}, blocks = 0, tokens = 0, shared = 0;
     for (var r in s.tables) s.tables[r].forEach(function (b) { refs[b] = (refs[b] || 0) + 1; });
@@ -63,7 +67,7 @@
       for (var b = 0; b < v.num_blocks; b++) {
         var x = (b % cols) * size, y = Math.floor(b / cols) * size;
         var held = owner[b] !== undefined;
-        var color = !held ? "var(--mbe-idle)" : owner[b] === -1 ? "var(--mbe-fg)" : PALETTE[owner[b] % PALETTE.length];
+        var color = !held ? "var(--mbe-idle)" : owner[b] === -1 ? SHARED : PALETTE[owner[b] % PALETTE.length];
         MBE.svg("rect", { x: x + 1, y: y + 1, width: size - 2, height: size - 2, rx: 3,
           style: "fill:var(--mbe-idle);stroke:" + (held ? color : "none") + ";stroke-width:2" }, pool);
         if (held) {
@@ -72,7 +76,7 @@
             style: "fill:" + color + ";opacity:0.85" }, pool);
         }
         MBE.svg("text", { x: x + size / 2, y: y + size / 2 + 4, "text-anchor": "middle",
-          style: "font-size:12px" + (held ? "" : ";opacity:0.45") }, pool,
+          style: "font-size:12px" + (held ? HALO : ";opacity:0.45") }, pool,
           String(b) + (c.refs[b] > 1 ? "×" + c.refs[b] : ""));
       }
       // the tables
@@ -112,7 +116,7 @@
     }
     step = MBE.control(root, box, { name: "step", label: "step t", type: "range", min: 0,
       max: d.variants[0].steps.length - 1, value: d.step }, show);
-    MBE.legend(view, [["a request's block (filled to its tokens)", PALETTE[0]], ["shared by several (×refs)", "var(--mbe-fg)"],
+    MBE.legend(view, [["a request's block (filled to its tokens)", PALETTE[0]], ["shared by several (×refs)", SHARED],
       ["free", "var(--mbe-idle)"]]);
     show();
   };
