@@ -43,12 +43,25 @@
   MBE.kinds.latency = function (root, d) {
     var box = MBE.el("div", { "class": "mbe-controls" }, root);
     var view = MBE.el("div", { "class": "mbe-view" }, root);
-    var W = 600, H = 200, L = 40, B = 22;
+    // the plot's frame, in viewBox units; on a phone (the same query as the
+    // axis text's size in explorables.css) a taller plot with wider margins
+    var W = 600, H = 200, T = 10, L = 40, B = 22, FS = 13;
+    var phone = window.matchMedia ? window.matchMedia("(max-width: 480px)") : { matches: false };
     var svg = MBE.svg("svg", { viewBox: "0 0 " + W + " " + H, role: "img",
       "aria-label": "cumulative distribution of " + d.metrics[0][1] }, view);
     var caption = MBE.el("p", { "class": "mbe-note" }, view);
     var legend = MBE.el("div", {}, view);
-    var table = MBE.el("table", {}, view);
+    // a table wider than the box scrolls inside it, with shadows and a note that say so
+    // (styled here, not in explorables.css, which every explorable inlines)
+    var scroller = MBE.el("div", { "class": "mbe-scroll", style: "overflow-x:auto;max-width:100%;" +
+      "background:linear-gradient(to right,var(--mbe-bg) 30%,transparent) left/2rem 100%," +
+      "linear-gradient(to left,var(--mbe-bg) 30%,transparent) right/2rem 100%," +
+      "radial-gradient(farthest-side at 0 50%,rgba(0,0,0,.3),transparent) left/.8rem 100%," +
+      "radial-gradient(farthest-side at 100% 50%,rgba(0,0,0,.3),transparent) right/.8rem 100%;" +
+      "background-repeat:no-repeat;background-attachment:local,local,scroll,scroll" }, view);
+    var table = MBE.el("table", {}, scroller);
+    var cue = MBE.el("p", { "class": "mbe-note mbe-scroll-cue", hidden: "" }, view,
+      "\u2194 The table scrolls sideways.");
     var note = MBE.el("p", { "class": "mbe-note" }, view, d.note || "");
     var ctl = {};
     var cell = function () {
@@ -59,6 +72,8 @@
     };
     var draw = function () {
       var runs = cell(), p = Number(ctl.percentile.value), slo = {};
+      if (phone.matches) { H = 380; T = 26; L = 58; B = 44; FS = 22; } else { H = 200; T = 10; L = 40; B = 22; FS = 13; }
+      svg.setAttribute("viewBox", "0 0 " + W + " " + H);
       for (var k in d.slo) slo[k] = d.slo[k].values[Number(ctl["slo_" + k].value)];
       // the CDF of the first metric, log x axis
       var m0 = d.metrics[0][0], lo = Infinity, hi = -Infinity;
@@ -68,22 +83,27 @@
       lo = Math.pow(10, Math.floor(Math.log10(Math.max(lo, 1e-3))));
       hi = Math.pow(10, Math.ceil(Math.log10(Math.max(hi, lo * 10))));
       var X = function (v) { return L + (W - L - 8) * (Math.log10(Math.max(v, lo)) - Math.log10(lo)) / (Math.log10(hi) - Math.log10(lo)); };
-      var Y = function (q) { return 8 + (H - B - 8) * (1 - q); };
+      var Y = function (q) { return T + (H - B - T) * (1 - q); };
       while (svg.firstChild) svg.removeChild(svg.firstChild);
-      for (var e = Math.log10(lo); e <= Math.log10(hi) + 1e-9; e++) {
+      // a label every `every` decades, so that labels (up to 6 characters,
+      // about 0.6 FS wide each) never touch
+      var decades = Math.round(Math.log10(hi) - Math.log10(lo));
+      var every = Math.max(1, Math.ceil(4.4 * FS / ((W - L - 8) / Math.max(decades, 1))));
+      for (var e = Math.log10(lo), i = 0; e <= Math.log10(hi) + 1e-9; e++, i++) {
         var x = X(Math.pow(10, e));
-        MBE.svg("line", { x1: x, x2: x, y1: 8, y2: H - B, style: "stroke:var(--mbe-border);stroke-width:0.6" }, svg);
+        MBE.svg("line", { x1: x, x2: x, y1: T, y2: H - B, style: "stroke:var(--mbe-border);stroke-width:0.6" }, svg);
+        if ((decades - i) % every) continue;  // the last decade is always labelled
         var v = Math.pow(10, e);
         var edge = e > Math.log10(hi) - 0.5 ? "end" : e < Math.log10(lo) + 0.5 ? "start" : "middle";
-        MBE.svg("text", { x: x, y: H - B + 16, "text-anchor": edge, "class": "mbe-axis" }, svg,
+        MBE.svg("text", { x: x, y: H - B + FS + 3, "text-anchor": edge, "class": "mbe-axis" }, svg,
           v >= 1000 ? (v / 1000) + " s" : v + " ms");
       }
       [0, 0.5, 1].forEach(function (q) {
-        MBE.svg("text", { x: L - 6, y: Y(q) + 5, "text-anchor": "end", "class": "mbe-axis" }, svg, String(q));
+        MBE.svg("text", { x: L - 6, y: Y(q) + 0.35 * FS, "text-anchor": "end", "class": "mbe-axis" }, svg, String(q));
       });
       MBE.svg("line", { x1: L, x2: W - 8, y1: Y(p / 100), y2: Y(p / 100),
         style: "stroke:var(--mbe-muted);stroke-dasharray:4 3" }, svg);
-      MBE.svg("line", { x1: X(slo[m0]), x2: X(slo[m0]), y1: 8, y2: H - B,
+      MBE.svg("line", { x1: X(slo[m0]), x2: X(slo[m0]), y1: T, y2: H - B,
         style: "stroke:var(--mbe-fg);stroke-width:1.5" }, svg);
       sorted.forEach(function (s, i) {
         if (!s.length) return;
@@ -120,7 +140,14 @@
           MBE.out(MBE.el("td", {}, tr), r.key + "-goodput")(g, MBE.fmt(g, 1));
         }
       });
+      showCue();
     };
+    var showCue = function () {
+      if (scroller.scrollWidth > scroller.clientWidth + 1) cue.removeAttribute("hidden");
+      else cue.setAttribute("hidden", "");
+    };
+    if (phone.addEventListener) phone.addEventListener("change", function () { if (ctl.ready) draw(); });
+    window.addEventListener("resize", showCue);
     // a group (a class) may come with its own SLO: the SLO sliders move to it
     var ownSlo = function () {
       var key = d.selectors.map(function (s) { return ctl[s.name].value; }).join(",");
