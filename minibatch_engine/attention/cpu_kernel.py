@@ -82,11 +82,12 @@ def load_cpu_kernel(verbose: bool = False):
         from torch.utils.cpp_extension import load
         name = extension_name()
         building = not _is_built(name)
-        clear_stale_lock(build_directory(name))
-        t0 = time.perf_counter()
-        with _pinned_ninja(), _build_messages(name, building or verbose):
-            _module = load(name, _staged_sources(name), extra_cflags=list(CFLAGS), extra_ldflags=list(LDFLAGS),
-                           verbose=verbose)
+        with build_guard(build_directory(name)):
+            building = building and not _is_built(name)    # another process may have built it meanwhile
+            t0 = time.perf_counter()
+            with _pinned_ninja(), _build_messages(name, building or verbose):
+                _module = load(name, _staged_sources(name), extra_cflags=list(CFLAGS),
+                               extra_ldflags=list(LDFLAGS), verbose=verbose)
         if building or verbose:
             _say(f"C++ CPU kernels compiled in {_duration(time.perf_counter() - t0)}; cached in "
                  f"{build_directory(name)} (later runs load them at once)")
@@ -138,29 +139,60 @@ def _build_messages(name: str, say: bool):
         thread.join()
 
 
-STALE_LOCK_S = 15 * 60     # a build folder untouched this long while locked: its builder died
+GUARD_FILE = "minibatch-build.flock"
+# A torch lock found under the guard belongs to a dead build, or to a process that
+# does not take the guard (an older release of this package): this long untouched,
+# it is taken for dead.
+UNGUARDED_LOCK_S = 30.0
 
 
-def clear_stale_lock(folder: str, max_age_s: float = STALE_LOCK_S) -> bool:
-    """Remove the ``lock`` file torch leaves in ``folder`` when a build is killed
-    (a timeout, Ctrl+C, an out-of-memory kill): torch would wait on it forever,
-    silently. A lock counts as stale when nothing in the folder (the lock, the
-    objects, ninja's log) has changed for ``max_age_s`` seconds; a live build
-    writes there far more often. Says so on stderr; returns whether it removed one."""
-    lock = Path(folder) / "lock"
+@contextmanager
+def build_guard(folder: str):
+    """Hold an exclusive ``flock`` on ``folder``/:data:`GUARD_FILE` while torch
+    builds or loads the kernels there.
+
+    torch marks a build in progress with a ``lock`` file and makes every other
+    process wait until the file is gone; a build that is killed (a timeout,
+    Ctrl+C, an out-of-memory kill) leaves the file, and they would wait forever.
+    The operating system drops an ``flock`` when its process dies, however it
+    dies. So a process that holds the guard and still finds torch's ``lock``
+    knows the build that left it is dead, and removes it (once it is
+    :data:`UNGUARDED_LOCK_S` old, in case a process that does not take the
+    guard holds it). While a live process builds, the others wait here, saying
+    so on stderr. Without ``fcntl`` (Windows) the guard does nothing."""
     try:
-        newest = max(p.stat().st_mtime for p in Path(folder).iterdir())
-    except (OSError, ValueError):
-        return False
-    if not lock.exists() or time.time() - newest < max_age_s:
-        return False
-    try:
-        lock.unlink()
-    except OSError:
-        return False
-    _say(f"removed a stale build lock in {folder} (a killed build left it; nothing had "
-         f"changed there for {_duration(time.time() - newest)})")
-    return True
+        import fcntl
+    except ImportError:      # pragma: no cover - not on POSIX
+        yield
+        return
+    os.makedirs(folder, exist_ok=True)
+    with open(Path(folder) / GUARD_FILE, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            _say(f"waiting for another process that is compiling the C++ CPU kernels in {folder}")
+            fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            _remove_dead_lock(Path(folder) / "lock")
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _remove_dead_lock(lock: Path) -> None:
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age >= UNGUARDED_LOCK_S:
+            try:
+                lock.unlink()
+            except FileNotFoundError:
+                return
+            _say(f"removed a build lock in {lock.parent} that a killed build left behind")
+            return
+        time.sleep(0.2)
 
 
 def ninja_dir() -> str | None:

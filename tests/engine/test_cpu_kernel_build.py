@@ -6,6 +6,8 @@ import os
 import shutil
 import subprocess
 import sys
+import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -83,17 +85,42 @@ def test_second_load_from_another_path_and_checkout_does_not_rebuild(tmp_path):
     assert so.stat().st_mtime_ns == mtime
 
 
-def test_a_stale_build_lock_is_removed_and_a_live_one_kept(tmp_path, capsys):
-    """A killed build leaves torch's lock file, on which every later load would
-    wait forever: one nobody has touched for long is removed, a fresh one kept."""
-    (tmp_path / "lock").touch()
-    (tmp_path / "build.ninja").write_text("")
-    assert not cpu_kernel.clear_stale_lock(str(tmp_path))            # a live build: kept
-    assert (tmp_path / "lock").exists()
-    old = time.time() - 2 * cpu_kernel.STALE_LOCK_S
-    for p in tmp_path.iterdir():
-        os.utime(p, (old, old))
-    assert cpu_kernel.clear_stale_lock(str(tmp_path))
-    assert not (tmp_path / "lock").exists() and "stale build lock" in capsys.readouterr().err
-    assert not cpu_kernel.clear_stale_lock(str(tmp_path))            # nothing left to remove
-    assert not cpu_kernel.clear_stale_lock(str(tmp_path / "missing"))
+def test_a_dead_builds_lock_is_removed_and_a_live_build_waited_for(tmp_path, capsys, monkeypatch):
+    """torch's ``lock`` file left by a killed build would make every later load
+    wait forever. The guard's flock dies with its process: a lock found while
+    holding the guard is a dead build's and is removed at once; while a live
+    process holds the guard, a second one waits for it."""
+    (tmp_path / "lock").touch()                       # a build killed before it could finish
+    old = time.time() - 2 * cpu_kernel.UNGUARDED_LOCK_S
+    os.utime(tmp_path / "lock", (old, old))
+    with cpu_kernel.build_guard(str(tmp_path)):
+        assert not (tmp_path / "lock").exists()
+    assert "killed build" in capsys.readouterr().err
+
+    holder = subprocess.Popen([sys.executable, "-c", textwrap.dedent(f"""
+        import sys, time
+        from minibatch_engine.attention import cpu_kernel
+        with cpu_kernel.build_guard({str(tmp_path)!r}):
+            open({str(tmp_path / "lock")!r}, "w").close()     # torch's lock of a live build
+            print("holding", flush=True)
+            time.sleep(600)
+        """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        entered = threading.Event()
+
+        def second():
+            with cpu_kernel.build_guard(str(tmp_path)):
+                entered.set()
+        waiter = threading.Thread(target=second, daemon=True)
+        waiter.start()
+        assert not entered.wait(1.0)                  # the live build's lock is kept, and waited for
+        assert (tmp_path / "lock").exists()
+        monkeypatch.setattr(cpu_kernel, "UNGUARDED_LOCK_S", 0.0)
+        holder.kill()                                 # the builder dies mid-build
+        assert entered.wait(120)
+        waiter.join(10)
+        assert not (tmp_path / "lock").exists()
+    finally:
+        holder.kill()
+        holder.wait()
