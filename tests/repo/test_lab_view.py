@@ -72,7 +72,8 @@ def test_chapter_two_reads_its_numbers():
     values = glue_values(nb)
     text = "\n".join(c["source"] for c in for_lab(nb)["cells"] if c["cell_type"] == "markdown")
     gap = format_plain_text(values["gap_bimodal"], ".1f")
-    assert f"by\n  {gap} to " in text
+    assert f"{gap} points (bimodal)" in " ".join(text.split())
+    assert "{glue" not in text
 
 
 def test_an_edited_cell_keeps_the_edit_and_kernel_metadata_returns():
