@@ -74,6 +74,8 @@ async def _errors(request, handler):
         return await handler(request)
     except APIError as e:
         return error_response(e)
+    except ConnectionResetError:                # the client left while its body was read: nothing to answer
+        return web.Response(status=499, reason="Client Closed Request")
     except (ValueError, TypeError) as e:            # the engine refused what the checks let through
         return web.json_response(APIError(str(e)).body(), status=400)
 

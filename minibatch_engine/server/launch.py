@@ -101,8 +101,9 @@ class ServerThread:
     def _main(self) -> None:
         asyncio.set_event_loop(self.loop)
         try:
-            self.app[STATE_KEY]["drain_timeout"] = self.shutdown_timeout
-            limits = self.app[STATE_KEY]["limits"]
+            state = self.app.get(STATE_KEY, {})      # (any aiohttp application will do)
+            state["drain_timeout"] = self.shutdown_timeout
+            limits = state.get("limits", ConnectionLimits())
             self.runner = make_runner(self.app, limits, self.shutdown_timeout)
             self.loop.run_until_complete(self.runner.setup())
             site, self.guard = self.loop.run_until_complete(start_site(self.runner, self.host, self.port, limits))

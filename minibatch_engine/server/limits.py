@@ -85,13 +85,11 @@ class ConnectionGuard:
         idle = next((h for h in open_ if not getattr(h, "_request_in_progress", True)), None)
         if idle is not None:            # the oldest connection that is not serving a request
             self.evicted += 1
-            idle.force_close()
-            idle.transport.close()
+            idle.force_close()          # closes its transport
             return
         self.refused += 1
+        transport.write(_refusal())     # sent before the close
         handler.force_close()
-        transport.write(_refusal())
-        transport.close()
 
 
 async def start_site(runner: web.AppRunner, host: str, port: int,

@@ -136,6 +136,8 @@ async def _errors(request, handler):
         return await handler(request)
     except APIError as e:
         return error_response(e)
+    except ConnectionResetError:                # the client left while its body was read: nothing to answer
+        return web.Response(status=499, reason="Client Closed Request")
 
 
 # --- background: the backends' health and KV usage -----------------------------------
