@@ -284,7 +284,9 @@ async def _whole(req, rid, prompts, jobs, st, llm, admission):
 async def _stream(request, req, rid, prompts, jobs, st, admission):
     """Server-sent events, one chunk per token. A client that leaves at any
     point (before the headers, mid-stream, before ``[DONE]``) ends it quietly:
-    its streams close, which aborts their requests; it is not a server error."""
+    its streams close, which aborts their requests; it is not a server error.
+    A choice that fails in its own step ends with ``finish_reason`` "error",
+    followed by an error event that says why (the other choices go on)."""
     model = st["model"]
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     created, tokens = int(time.time()), 0
@@ -304,6 +306,8 @@ async def _stream(request, req, rid, prompts, jobs, st, admission):
                         await send(response(rid, model, [choice(i, out.text or "", out.finish_reason, req.chat,
                                                                 delta=True)], req.chat, chunk=True,
                                             created=created))
+                    if out.finish_reason == "error":     # that choice failed in its own step: say why
+                        await send(APIError(f"choice {i}: {out.error}", status=500).body())
         except (ValueError, TypeError) as e:     # refused by the engine after the headers went out
             await send(APIError(str(e)).body())
         if req.include_usage:

@@ -404,3 +404,14 @@ def test_a_stream_that_fails_in_its_own_step_says_why(monkeypatch):
     bad, good = asyncio.run(run())
     assert bad[-1].finish_reason == "error" and "sampling failed" in bad[-1].error
     assert good[-1].finish_reason == "length" and all(o.error is None for o in good)
+    with ServerThread(make_app("tiny", **OPTS)) as s:       # over HTTP: an error event after the choice's end
+        async def http():
+            async with aiohttp.ClientSession() as session:
+                async with session.post(f"{s.url}/v1/completions", json={
+                        "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 1.0, "top_k": 7, "seed": 0,
+                        "stream": True}) as r:
+                    return [json.loads(x[6:]) for x in [line async for line in r.content]
+                            if x.startswith(b"data: {")]
+        events = asyncio.run(http())
+    assert events[-2]["choices"][0]["finish_reason"] == "error"
+    assert events[-1]["error"]["code"] == 500 and "sampling failed" in events[-1]["error"]["message"]
