@@ -6,8 +6,8 @@ or idle clients cannot hold the server (nginx's ``client_header_timeout``,
 * **Headers**: a connection must deliver a complete request head within
   ``header_timeout`` seconds of opening, or of its previous response; one that
   has not is closed. An idle keep-alive connection is closed after as long
-  (aiohttp's ``keepalive_timeout`` does both: it closes a connection that has
-  no whole request waiting once the time is up).
+  (aiohttp's ``keepalive_timeout``; :class:`ConnectionGuard` also times the
+  first request itself, which aiohttp before 3.13 did not).
 * **Body**: a handler reads the body through :func:`read_body`, which answers
   408 if it has not all arrived ``body_timeout`` seconds after the headers.
 * **Connections**: at ``max_connections`` open connections, a new one first
@@ -67,19 +67,26 @@ def _refusal() -> bytes:
 
 class ConnectionGuard:
     """Keeps an aiohttp :class:`~aiohttp.web.Server` at ``limit`` open
-    connections (the module doc). It wraps the server's ``connection_made``,
-    which each new connection's handler calls. ``evicted`` and ``refused``
-    count what it did."""
+    connections and closes one that sends no whole request head within
+    ``header_timeout`` seconds of opening (the module doc). It wraps the
+    server's ``connection_made``, which each new connection's handler calls.
+    ``evicted``, ``refused`` and ``timed_out`` count what it did."""
 
-    def __init__(self, server: web.Server, limit: int):
-        self.server, self.limit = server, limit
-        self.evicted = self.refused = 0
+    def __init__(self, server: web.Server, limit: int, header_timeout: float):
+        self.server, self.limit, self.header_timeout = server, limit, header_timeout
+        self.evicted = self.refused = self.timed_out = 0
         self._made = server.connection_made
         server.connection_made = self.connection_made
+
+    def _first_head_due(self, handler) -> None:
+        if handler.transport is not None and not getattr(handler, "_request_count", 1):
+            self.timed_out += 1
+            handler.force_close()
 
     def connection_made(self, handler, transport) -> None:
         open_ = [h for h in self.server.connections if h.transport is not None and not h.transport.is_closing()]
         self._made(handler, transport)
+        asyncio.get_running_loop().call_later(self.header_timeout, self._first_head_due, handler)
         if len(open_) < self.limit:
             return
         idle = next((h for h in open_ if not getattr(h, "_request_in_progress", True)), None)
@@ -95,7 +102,7 @@ class ConnectionGuard:
 async def start_site(runner: web.AppRunner, host: str, port: int,
                      limits: ConnectionLimits) -> tuple[web.TCPSite, ConnectionGuard]:
     """Guard ``runner``'s server (set up by :func:`make_runner`) and listen on ``host:port``."""
-    guard = ConnectionGuard(runner.server, limits.max_connections)
+    guard = ConnectionGuard(runner.server, limits.max_connections, limits.header_timeout)
     site = web.TCPSite(runner, host, port)
     await site.start()
     return site, guard
