@@ -124,7 +124,11 @@ def run_forever(app: web.Application, host: str, port: int, limits: ConnectionLi
         runner = make_runner(app, limits, shutdown_timeout, handle_signals=True)
         await runner.setup()
         try:
-            await start_site(runner, host, port, limits)
+            try:
+                await start_site(runner, host, port, limits)
+            except OSError as e:                    # in use, not ours, no permission
+                raise ValueError(f"cannot listen on --host {host} --port {port}: "
+                                 f"{e.strerror or e}") from None
             await asyncio.Event().wait()            # until a signal raises GracefulExit
         finally:
             await runner.cleanup()

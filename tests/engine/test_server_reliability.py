@@ -415,3 +415,18 @@ def test_a_stream_that_fails_in_its_own_step_says_why(monkeypatch):
         events = asyncio.run(http())
     assert events[-2]["choices"][0]["finish_reason"] == "error"
     assert events[-1]["error"]["code"] == 500 and "sampling failed" in events[-1]["error"]["message"]
+
+
+def test_a_port_in_use_is_named_in_one_line():
+    import subprocess
+    import sys
+    from pathlib import Path
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+        r = subprocess.run([sys.executable, "-m", "minibatch_engine", "route", "--backend", "http://127.0.0.1:1",
+                            "--port", str(port)], capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith(f"error: cannot listen on --host 127.0.0.1 --port {port}")
