@@ -182,6 +182,34 @@ def test_clients_that_leave_before_the_headers_go_out_give_their_admission_back(
         assert status == 200, body
 
 
+def test_a_stream_whose_client_is_gone_at_a_write_leaves_no_traceback(storm_backend, caplog, monkeypatch):
+    """Item 8: when a client resets mid-stream, aiohttp can fail the handler's
+    next write (``ConnectionResetError``: "Cannot write to closing transport")
+    before it cancels the handler. That write is made to fail here, on the
+    fourth chunk of every stream: a client gone is not a server error."""
+    caplog.set_level(logging.ERROR)
+    real, writes = web.StreamResponse.write, {}
+
+    async def write(self, data):
+        writes[id(self)] = writes.get(id(self), 0) + 1
+        if writes[id(self)] == 4:
+            raise ConnectionResetError("Cannot write to closing transport")
+        return await real(self, data)
+    monkeypatch.setattr(web.StreamResponse, "write", write)
+
+    async def run():
+        async with aiohttp.ClientSession() as session:
+            async def one(i):
+                async with session.post(f"{storm_backend.url}/v1/completions", json={
+                        "prompt": f"gone {i}", "max_tokens": 50, "stream": True, "ignore_eos": True}) as r:
+                    return r.status, [line async for line in r.content if line.startswith(b"data: {")]
+            return await asyncio.gather(*(one(i) for i in range(8)))
+    results = asyncio.run(run())
+    assert all(status == 200 and len(events) == 3 for status, events in results)
+    assert wait_idle(storm_backend.url)["num_requests_running"] == 0
+    assert not [rec for rec in caplog.records if "Error handling request" in rec.getMessage()]
+
+
 # --- 4. bodies that cannot be read, 6. requests that can never be admitted -----------------------
 def test_deep_json_and_huge_integers_get_400_naming_the_problem_on_serve_and_route(storm_backend):
     deep = b'{"prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
