@@ -64,16 +64,25 @@ class StreamOutput:
     a new token: ended from outside (``finish_reason == "abort"``), or failed in
     its own step (``"error"``, e.g. its sampling; the other streams go on). ``text`` is the text this token adds (None
     without a tokenizer; empty while a multi-byte character is incomplete).
-    ``finish_reason`` is set on the last output only."""
+    ``finish_reason`` is set on the last output only; ``error`` says why when
+    it is ``"error"`` (None otherwise)."""
     request_id: str
     token_id: int | None
     text: str | None
     index: int                      # how many output tokens the request has, this one included
     finish_reason: str | None = None
+    error: str | None = None
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def _error(req: Request, reason: str | None) -> str | None:
+    """Why a request failed in its own step (``finish_reason="error"``)."""
+    if reason != str(FinishReason.ERROR):
+        return None
+    return req.error or "the request failed in the engine (no message was recorded)"
 
 
 @dataclass
@@ -338,14 +347,15 @@ class AsyncLLM:
                 last = req.is_finished and i == len(new) - 1
                 text, stopped = self._text_delta(st, decode, last)
                 reason = "stop" if stopped else str(req.finish_reason) if last else None
-                st.queue.put_nowait(StreamOutput(req.request_id, tok, text, st.sent, reason))
+                st.queue.put_nowait(StreamOutput(req.request_id, tok, text, st.sent, reason, _error(req, reason)))
                 if stopped:                     # a stop string: the engine need not go on
                     if not req.is_finished:
                         self.engine.abort(req.request_id)
                     break
             if reason is None and req.is_finished:     # ended without a new token: aborted
                 reason = str(req.finish_reason or FinishReason.ABORT)
-                st.queue.put_nowait(StreamOutput(req.request_id, None, "" if decode else None, st.sent, reason))
+                st.queue.put_nowait(StreamOutput(req.request_id, None, "" if decode else None, st.sent, reason,
+                                                 _error(req, reason)))
             if reason is not None:
                 it.finished_requests.append(FinishedRequestStats(
                     reason, st.num_prompt_tokens, st.sent, now - st.submitted, st.queued))
