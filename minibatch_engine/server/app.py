@@ -4,8 +4,10 @@
 server-sent events with ``"stream": true``), ``GET /v1/models``,
 ``GET /health`` and ``GET /metrics``. A request of ``n`` choices over ``p``
 prompts becomes ``n * p`` engine requests (choice ``k`` seeded ``seed + k``),
-as vLLM V1's front end fans a parallel-sampling request out; the prefix cache
-computes each prompt's shared blocks once.
+as vLLM V1's front end fans a parallel-sampling request out. They reach the
+engine in the same step, so each prefills the prompt: the prefix cache only
+shares blocks computed in an earlier step. (The offline ``LLM`` prefills once
+and forks the sequence instead.)
 
 The handler is the only place that touches HTTP; the engine loop
 (``AsyncLLM``) steps the engine in its own thread. A client that goes away
