@@ -47,7 +47,7 @@ def load_kv_tile(ptr, scale_ptr, slot, kv_head, stride_t, stride_h, stride_s, d,
     if KV_QUANT == 0:
         return x
     if KV_QUANT == 2:
-        x = x.to(tl.float8e4nv, bitcast=True)
+        x = x.to(tl.float8e4nv, bitcast=True).to(tl.float32)    # exact: e4m3 fits float32
     s = tl.load(scale_ptr + slot * stride_s + kv_head)
     return (x.to(ACC_DTYPE) * s.to(ACC_DTYPE)[:, None]).to(OUT_DTYPE)
 
