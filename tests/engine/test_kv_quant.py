@@ -246,3 +246,34 @@ def test_the_quantized_reference_differs_from_the_float_one_only_slightly(tiny64
         q = full_forward_logits(tiny64, ids, kv)
         assert not torch.equal(q, base)
         assert (q - base).abs().max() < tol
+
+
+# --- what the user sees: bench, simulate, /metrics ------------------------------------
+def test_simulate_and_bench_show_the_doubled_block_count(capsys):
+    from minibatch_engine.cli import main
+    blocks = {}
+    for kv in ("auto", "fp8", "int8"):
+        assert main(["simulate", "--num-requests", "4", "--kv-budget", str(8 * 2**30), "--kv-cache-dtype", kv,
+                     "--no-progress", "--json", "/dev/null"]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("cache"))
+        blocks[kv] = int(line.split(" in ")[1].split(" blocks")[0].replace(",", ""))
+        assert ("bytes per token" in line) == (kv != "auto")
+    # llama-3-8b, bfloat16 there: head_dim 128, so 2 x 128 / 132 of the blocks
+    assert blocks["fp8"] == blocks["int8"] == 8 * 2**30 // (16 * 2 * 32 * 8 * 132)
+    assert blocks["auto"] == 8 * 2**30 // (16 * 2 * 32 * 8 * 256)
+    assert main(["bench", "--num-requests", "2", "--kv-cache-dtype", "int8", "--no-progress",
+                 "--max-model-len", "512", "--attention-backend", "sdpa"]) == 0
+    assert "int8: 1,088 bytes per token" in capsys.readouterr().out     # tiny: 2 x 4 x 2 x (64 + 4)
+
+
+def test_metrics_carry_the_cache_config_info():
+    pytest.importorskip("prometheus_client")
+    from minibatch_engine.server.metrics import PrometheusStatLogger, parse_metrics
+    for kv in ("auto", "fp8"):
+        engine = Engine(None, sim_gpu="H100-SXM", sim_model="llama-3-8b", kv_budget_bytes=2**30, kv_cache_dtype=kv)
+        logger = PrometheusStatLogger("m")
+        logger.set_cache_config(engine)
+        m = parse_metrics(logger.exposition().decode())
+        key = next(k for k in m if k.startswith("minibatch:cache_config_info"))
+        assert m[key] == 1
+        assert f'cache_dtype="{kv}"' in key and f'num_gpu_blocks="{engine.kv_cache.num_blocks}"' in key
