@@ -277,3 +277,23 @@ def test_metrics_carry_the_cache_config_info():
         key = next(k for k in m if k.startswith("minibatch:cache_config_info"))
         assert m[key] == 1
         assert f'cache_dtype="{kv}"' in key and f'num_gpu_blocks="{engine.kv_cache.num_blocks}"' in key
+
+
+# --- the accuracy measures -------------------------------------------------------------
+def test_accuracy_measures_are_exact_for_auto_and_follow_the_engine(tiny64):
+    from minibatch_engine.kv import quant_accuracy as qa
+    ids, calib = list(range(3, 67)), list(range(100, 164))
+    rows = qa.teacher_forced_metrics(tiny64, ids, calib, [("auto", "per_token_head"), ("int8", "per_head")])
+    assert (rows[0].mean_kl, rows[0].top1_agreement, rows[0].perplexity) == (0.0, 1.0, rows[0].float_perplexity)
+    assert rows[1].mean_kl > 0 and rows[1].max_kl >= rows[1].mean_kl
+    for gran in ("per_head", "per_tensor"):
+        s = qa.calibrate_kv_scales(tiny64, calib, "fp8", gran)
+        assert s.shape == (4, 2, 2) and (s > 0).all()
+        assert (s[..., 0] == s[..., 1]).all() == (gran == "per_tensor")
+    # the measuring loop writes and reads the cache as the engine does: the same tokens
+    for kv in ("auto", "int8", "fp8"):
+        assert qa.greedy_tokens(tiny64, [5, 6, 7], 8, kv) == reference_generate(tiny64, [5, 6, 7], 8, kv)
+    agree = qa.greedy_agreement(tiny64, [[5, 6, 7]], 6, calib, [("auto", "per_token_head")])[0]
+    assert agree.token_agreement == 1.0 and agree.identical_runs == 1 and agree.mean_first_divergence == 6
+    prof = qa.kv_error_profile(tiny64, ids, calib)
+    assert len(prof) == 8 and all(0 < r["per_token_head"] < 0.02 and r["peak_to_rms"] > 1 for r in prof)
