@@ -297,3 +297,14 @@ def test_accuracy_measures_are_exact_for_auto_and_follow_the_engine(tiny64):
     assert agree.token_agreement == 1.0 and agree.identical_runs == 1 and agree.mean_first_divergence == 6
     prof = qa.kv_error_profile(tiny64, ids, calib)
     assert len(prof) == 8 and all(0 < r["per_token_head"] < 0.02 and r["peak_to_rms"] > 1 for r in prof)
+
+
+def test_under_load_a_quantized_cache_holds_more_and_preempts_less():
+    from minibatch_engine.book.kv_capacity import DETERMINISTIC, kv_dtypes_under_load
+    budget = 2048 * 16 * 24                                   # 24 blocks of bfloat16 tiny
+    auto, fp8, int8 = kv_dtypes_under_load(budget, model="tiny", num_requests=8, max_batch=8,
+                                           attention_backend="sdpa", max_model_len=400)
+    assert auto["kv_blocks"] == budget // (16 * 2048) and fp8["kv_blocks"] == budget // (16 * 1088)
+    assert all(fp8[k] == int8[k] for k in DETERMINISTIC if k != "kv_cache_dtype")
+    assert fp8["peak_running"] >= auto["peak_running"] and fp8["preemptions"] <= auto["preemptions"]
+    assert auto["output_tokens"] == fp8["output_tokens"] and auto["preemptions"] > 0
