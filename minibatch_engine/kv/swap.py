@@ -97,8 +97,9 @@ class HostKVPool:
             like = KVPool(model_config.num_layers, 1, block_size, model_config.num_kv_heads,
                           model_config.head_dim, dtype, "meta", kv_cache_dtype)
             # [host block, layer, K/V, token, kv head(, head dim)] per tensor a block holds
-            self.host = [torch.empty((max(num_blocks, 1),) + t.shape[:2] + t.shape[3:], dtype=t.dtype,
-                                     pin_memory=True) for t in like.block_tensors()]
+            self.host_tensors = [torch.empty((max(num_blocks, 1),) + t.shape[:2] + t.shape[3:], dtype=t.dtype,
+                                             pin_memory=True) for t in like.block_tensors()]
+            self.host = self.host_tensors[0]       # the K/V bytes (then the scales, if per token)
             self.stream = torch.cuda.Stream()
             self.last_copy: torch.cuda.Event | None = None
         else:
@@ -137,7 +138,7 @@ class HostKVPool:
         self.stream.wait_stream(compute)            # the K/V to copy has been written
         with torch.cuda.stream(self.stream):
             src = torch.tensor(gpu_blocks, device=gpu_pool.kv.device)
-            for host_t, t in zip(self.host, gpu_pool.block_tensors(), strict=True):
+            for host_t, t in zip(self.host_tensors, gpu_pool.block_tensors(), strict=True):
                 # [layers, 2, n, ...] -> [n, layers, 2, ...]: each block contiguous
                 staged = t.index_select(2, src).movedim(2, 0).contiguous()
                 for i, h in enumerate(host):
@@ -150,7 +151,7 @@ class HostKVPool:
         with torch.cuda.stream(self.stream):
             dev = gpu_pool.kv.device
             dst = torch.tensor(gpu_blocks, device=dev)
-            for host_t, t in zip(self.host, gpu_pool.block_tensors(), strict=True):
+            for host_t, t in zip(self.host_tensors, gpu_pool.block_tensors(), strict=True):
                 staged = torch.empty((len(host),) + tuple(host_t.shape[1:]), dtype=host_t.dtype, device=dev)
                 for i, h in enumerate(host):
                     staged[i].copy_(host_t[h], non_blocking=True)
