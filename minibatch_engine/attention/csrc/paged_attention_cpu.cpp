@@ -110,22 +110,27 @@ inline void weighted_sum_plain(acc_t* acc, const acc_t* score, const scalar_t* v
 
 // Quantized caches: the stored byte types (int8 as itself, float8 e4m3 as its bits).
 // float8 e4m3 ("fn": no infinities): 1 sign, 4 exponent (bias 7), 3 mantissa bits;
-// exponent 0 is subnormal (m / 8 x 2^-6). Decoded with integer arithmetic the
-// compiler vectorises: |x| = (8 + m) x 2^(e - 1) x 2^-9 for e > 0, m x 2^-9 for e = 0.
-// The two NaN codes (0x7f, 0xff) are never written (the quantizer clips to 448).
+// exponent 0 is subnormal (m / 8 x 2^-6). A normal code becomes a float32 by moving
+// its bits and rebiasing the exponent (+120); a subnormal one is m x 2^-9. Both are
+// computed and one picked, so the compiler vectorises the loop. The two NaN codes
+// (0x7f, 0xff) are never written (the quantizer clips to 448).
 struct Fp8E4M3 { uint8_t bits; };
 template <typename T> struct Tag { using type = T; };
 
 inline float fp8_e4m3_to_float(uint8_t b) {
-  const int32_t e = (b >> 3) & 15, m = b & 7, normal = e != 0;
-  const float x = static_cast<float>((m + 8 * normal) << (e - normal)) * (1.0f / 512.0f);
-  return (b & 0x80) ? -x : x;
+  const uint32_t sign = static_cast<uint32_t>(b & 0x80) << 24, em = b & 0x7f;
+  const uint32_t bits = sign | ((em << 20) + (120u << 23));
+  float normal;
+  std::memcpy(&normal, &bits, sizeof normal);
+  const float sub = static_cast<float>(static_cast<int32_t>(em)) * (1.0f / 512.0f);
+  return em < 8 ? (sign ? -sub : sub) : normal;
 }
 
 template <typename acc_t, typename cache_t>
 inline void decode_row(acc_t* dst, const cache_t* src, int64_t n) {
   if constexpr (std::is_same_v<cache_t, Fp8E4M3>) {
-    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<acc_t>(fp8_e4m3_to_float(src[i].bits));
+    const uint8_t* bytes = reinterpret_cast<const uint8_t*>(src);
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<acc_t>(fp8_e4m3_to_float(bytes[i]));
   } else {
     for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<acc_t>(src[i]);
   }
