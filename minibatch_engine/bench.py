@@ -63,9 +63,8 @@ def summarize(engine: Engine, requests, ps=DEFAULT_PERCENTILES, goodput=None) ->
         s["sim_output_tokens_per_second"] = out_tokens / s["sim_seconds"]
     if engine.model is not None and engine.model.device.type == "cpu" and len(trace):
         # the run against this CPU's limit for the model (minibatch_engine.machine_limit)
-        from .machine_limit import limit_of_run, machine_rates
-        lim = limit_of_run(trace, engine.model_config, machine_rates(engine.model_config, engine.model.dtype),
-                           engine.model.dtype)
+        from .machine_limit import run_against_limit
+        lim = run_against_limit(trace, engine.model_config, engine.model.dtype)
         s.update({f"machine_{k}": v for k, v in lim.items()})
     step_wall = sum(st.wall_dt for st in trace.steps)
     in_model = sum(st.forward_s + st.sample_s for st in trace.steps)
@@ -350,11 +349,18 @@ def _endpoint_groups(s: dict) -> list:
 
 
 def _limit_line(s: dict) -> str:
-    """"x% of this CPU's limit": the run's steps at the machine's measured rates, over their wall time."""
-    large = s.get("machine_large_batch_limit_fraction")
-    return (f"{s['machine_limit_fraction']:.0%} (steps of 32+ rows: "
-            f"{'n/a' if large is None or not np.isfinite(large) else f'{large:.0%}'}; its matmuls "
-            f"{s['machine_matmul_flops_per_s'] / 1e9:,.0f} GFLOP/s, memory {s['machine_memory_bytes_per_s'] / 1e9:,.0f} GB/s)")
+    """"x% of this CPU's limit": the run's steps at the machine's measured rates,
+    over their wall time, and where the rates came from. A share above 100% is
+    only printed after the limit was re-measured for the run, and says so."""
+    frac, large = s["machine_limit_fraction"], s.get("machine_large_batch_limit_fraction")
+    large = None if large is None or not np.isfinite(large) else large
+    line = (f"{frac:.0%} (steps of 32+ rows: {'n/a' if large is None else f'{large:.0%}'}; its matmuls "
+            f"{s['machine_matmul_flops_per_s'] / 1e9:,.0f} GFLOP/s, memory {s['machine_memory_bytes_per_s'] / 1e9:,.0f} "
+            f"GB/s: {s.get('machine_limit_provenance', 'measured once')})")
+    if max(frac, large or 0.0) > 1:
+        line += ("; above 100% although re-measured just now: this run beat the roofline at the measured "
+                 "rates (say, weights served from the CPU's caches rather than from memory)")
+    return line
 
 
 def _group_line(g: dict) -> str:
