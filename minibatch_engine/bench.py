@@ -260,10 +260,12 @@ def format_report(summary: dict, simulated: bool = False) -> str:
     pk = [k[len("ttft_ms_"):] for k in s if k.startswith("ttft_ms_p")]
     clock_name = f"simulated {s.get('sim_gpu')}" if clock == "sim_seconds" else "wall clock"
     tput = s.get("sim_output_tokens_per_second") if clock == "sim_seconds" else s.get("output_tokens_per_second")
-    model = s.get("sim_model") if simulated else s.get("model")
+    model = str(s.get("sim_model") if simulated else s.get("model"))
+    if s.get("sim_gpu") and not simulated:       # the model runs here; the simulator prices its steps
+        model += f" (run here; its steps priced as {s.get('sim_model') or model} on a simulated {s['sim_gpu']})"
     groups = [
         ("workload", [
-            ("model", str(model)), ("workload", f"{s['workload']}, {s['num_requests']} requests, seed {s['seed']}"),
+            ("model", model), ("workload", f"{s['workload']}, {s['num_requests']} requests, seed {s['seed']}"),
             ("scheduler", f"{s['scheduler']}, max {s['max_batch']} sequences, token budget "
                           f"{_fmt(s.get('max_num_batched_tokens'))}"
                           f"{', chunked prefill' if s.get('chunked_prefill') else ''}"),
@@ -271,7 +273,7 @@ def format_report(summary: dict, simulated: bool = False) -> str:
                          f"{_fmt(s['steps'])} steps")]),
         (f"throughput ({clock_name})", [
             ("output tokens/s", _fmt(tput)),
-            ("requests/s", _fmt(s.get("request_throughput"))),
+            ("requests/s", _rate_line(s)),
             *_goodput_row(s),
             ("batch efficiency η", _fmt(s.get("eta"))),
             ("mean batch utilization", _fmt(s.get("batch_utilization")))]),
@@ -346,6 +348,15 @@ def _endpoint_groups(s: dict) -> list:
     if server:
         groups.append(("the server's own counters (/metrics), during the run", server))
     return groups
+
+
+def _rate_line(s: dict) -> str:
+    """Completed requests per second, said as such: below an offered rate, since
+    the run's span includes the last requests' decoding after the arrivals end."""
+    line = f"{_fmt(s.get('request_throughput'))} completed"
+    if s.get("arrival_rate") is not None:
+        line += f" (offered {_fmt(s['arrival_rate'])}/s; the span includes draining the last requests)"
+    return line
 
 
 def _limit_line(s: dict) -> str:
