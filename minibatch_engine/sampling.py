@@ -137,14 +137,13 @@ def _put_rows(x: torch.Tensor, rows: torch.Tensor, order: torch.Tensor, values: 
 
 
 def _nucleus(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
-    """Which tokens of rows sorted by probability (largest first, ``[S, W]``)
-    are in the top-p nucleus: those whose strictly more likely tokens hold
+    """Which tokens of rows sorted by probability (float64, largest first,
+    ``[S, W]``) are in the top-p nucleus: those whose strictly more likely tokens hold
     less than ``p`` (``[S, 1]``, float64). Tied tokens are contiguous and get
     the mass before their group's first member, so they go together. The
     cumulative mass is summed in float64, in order: on a CPU the first W sums
     are the same bits whatever the width (the prefix or the whole row)."""
-    q = probs.double()
-    before = torch.nn.functional.pad(q.cumsum(-1)[:, :-1], (1, 0))     # the mass of earlier positions
+    before = torch.nn.functional.pad(probs.cumsum(-1)[:, :-1], (1, 0))     # the mass of earlier positions
     start = torch.ones_like(probs, dtype=torch.bool)
     start[:, 1:] = probs[:, 1:] != probs[:, :-1]                         # the first of a group of ties
     strict = torch.where(start, before, torch.zeros_like(before)).cummax(-1).values
@@ -177,7 +176,7 @@ def _filter_(x: torch.Tensor, ks: list[int], ps: list[float]) -> None:
     if not any(p < 1.0 for p in ps):
         return
     p = torch.tensor(ps, device=x.device, dtype=torch.float64)[:, None]
-    probs = torch.softmax(x, dim=-1)                    # what top-p cuts: top-k's survivors, renormalised
+    probs = torch.softmax(x, dim=-1, dtype=torch.float64)    # what top-p cuts: top-k's survivors, renormalised
     widest = max((int(c) for c, kk in zip(counts.tolist(), ks) if kk) if counts is not None else [0], default=0)
     width = min(vocab, max(PREFIX, widest))
     top, order = torch.topk(x, width, dim=-1)

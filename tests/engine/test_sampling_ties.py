@@ -24,7 +24,7 @@ def _kept_by_the_rule(row: torch.Tensor, k: int, p: float) -> list[bool]:
     finite = torch.isfinite(x).tolist()
     if p >= 1.0:
         return finite
-    probs = torch.softmax(x[None], -1)[0].tolist()
+    probs = torch.softmax(x[None].double(), -1)[0].tolist()
     return [f and math.fsum(q for q in probs if q > probs[i]) < p for i, f in enumerate(finite)]
 
 
