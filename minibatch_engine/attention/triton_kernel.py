@@ -27,8 +27,8 @@ tiles, and inside the last ones ``key <= query position`` masks the rest.
 
 Accumulators are float32 (float64 for float64 inputs, so the float64 checks
 stay exact); fp32 products use ``input_precision="ieee"`` (no TF32).
-Not done: splitting a long context over several programs (flash-decoding),
-which a GPU wants when there are fewer (sequence, KV head) pairs than cores.
+Splitting a long context over several programs (Flash-Decoding), which a GPU
+wants when there are fewer programs than SMs, is :mod:`.triton_split_kv`.
 """
 import triton
 import triton.language as tl
