@@ -100,17 +100,24 @@ def plan_kv_splits(num_programs: int, max_seq_len: int, num_sms: int = H100_SMS,
     """``(num_splits, split_size)`` for a step whose unsplit kernel would run
     ``num_programs`` programs (sequences x KV heads x query tiles).
 
-    Split only when the programs are fewer than the GPU's ``num_sms`` and the
-    longest context holds at least two chunks of ``min_split`` keys (a shorter
-    chunk saves less than the merge costs). Then take enough chunks to give
-    every SM a program, no shorter than ``min_split``, each a multiple of the
-    kernel's ``block_n``-key tile. ``(1, max_seq_len)`` means "do not split".
+    Programs run in waves of ``num_sms``. Split only when the programs fill
+    less than 80% of one wave and the longest context holds at least two
+    chunks of ``min_split`` keys (a shorter chunk saves less than the merge
+    costs). Then, of the chunk counts ``s`` that leave chunks that long, take
+    the smallest whose waves are at least 85% as full, on average, as the
+    fullest any ``s`` achieves (``num_programs * s / (waves * num_sms)``):
+    more chunks mean more merge work. Chunks are a whole number of the kernel's
+    ``block_n``-key tiles. ``(1, max_seq_len)`` means "do not split".
     """
     if num_programs <= 0 or max_seq_len <= 0:
         raise ValueError(f"num_programs ({num_programs}) and max_seq_len ({max_seq_len}) must be positive")
-    if num_programs >= num_sms or max_seq_len < 2 * min_split:
+    most = max_seq_len // min_split
+    if num_programs >= 0.8 * num_sms or most < 2:
         return 1, max_seq_len
-    splits = min(-(-num_sms // num_programs), max_seq_len // min_split)
+    fill = [num_programs * s / (-(-num_programs * s // num_sms) * num_sms) for s in range(1, most + 1)]
+    splits = next(s for s, f in enumerate(fill, start=1) if f >= 0.85 * max(fill))
+    if splits == 1:
+        return 1, max_seq_len
     size = -(-max_seq_len // splits)
     size = -(-size // block_n) * block_n                               # whole tiles
     return -(-max_seq_len // size), size

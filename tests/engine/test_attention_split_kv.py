@@ -76,7 +76,9 @@ def test_torch_split_kv_equals_the_reference(kind):
 
 
 def test_plan_splits_only_a_small_batch_with_a_long_context():
-    assert plan_kv_splits(8, 32768) == (17, 1984)          # batch 1, 8 KV heads: 8 x 17 >= 132 SMs
+    assert plan_kv_splits(8, 32768) == (15, 2240)          # batch 1, 8 KV heads: 120 of 132 SMs
+    assert plan_kv_splits(64, 32768) == (2, 16384)         # 128 programs, one wave
+    assert plan_kv_splits(128, 32768) == (1, 32768)        # two chunks would take two waves
     assert plan_kv_splits(8, 300) == (1, 300)              # too short to be worth a merge
     assert plan_kv_splits(256, 32768) == (1, 32768)        # the SMs are busy already
     splits, size = plan_kv_splits(8, 1000, block_n=64)
