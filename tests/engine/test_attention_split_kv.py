@@ -103,14 +103,15 @@ def triton_backend_cls():
 @pytest.mark.parametrize("kind", ["decode", "mixed"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_triton_split_kv_equals_the_reference(triton_backend_cls, kind, dtype):
-    """Forced chunks of 16 and 32 keys over contexts up to 70 (not multiples of
+    """Forced chunks of 16 and 32 keys over contexts up to 100 (not multiples of
     either), random block tables, block sizes 1/16, GQA 1/2/4; paged and cache-free."""
     from .attention_cases import assert_matches_reference
     gen = torch.Generator().manual_seed(11)
     for split, block_size, (heads, kv_heads) in [(16, 1, (2, 2)), (32, 16, (4, 2)), (16, 16, (4, 1))]:
         backend = triton_backend_cls(DEVICE, block_m=16, block_n=16, kv_split=split)
-        case = random_batch(gen, kind, block_size, heads, kv_heads, 16, dtype, num_seqs=3, max_len=70)
-        assert backend.kv_splits(3 * kv_heads, max(case["seq_lens"]))[0] > 1 or max(case["seq_lens"]) <= split
+        case = random_batch(gen, kind, block_size, heads, kv_heads, 16, dtype, num_seqs=4, max_len=100)
+        assert backend.kv_splits(3 * kv_heads, max(case["seq_lens"]))[0] > 1    # the split path runs
+        assert any(n % split for n in case["seq_lens"])                         # a ragged last chunk
         assert_matches_reference(backend, case, device=DEVICE)
         assert_matches_reference(backend, case, cache=False, device=DEVICE)
 
