@@ -5,6 +5,16 @@ the metadata is only the batch (lengths, offsets, block tables): nothing is
 padded or gathered on the host. Importing this module imports triton; on a CPU
 it runs only under Triton's interpreter (``TRITON_INTERPRET=1`` set before
 triton is imported), which is how the tests check it against the reference.
+
+**Split-KV.** When a step would run fewer programs than the GPU has SMs and
+its longest context is long (batch 1 decoding 32k tokens, say), the backend
+runs the split-KV kernels of :mod:`.triton_split_kv` instead (Flash-Decoding:
+each context cut into chunks attended in parallel, then merged exactly).
+``kv_split="auto"`` decides per step with :func:`.split_kv.plan_kv_splits`;
+``"never"`` keeps the one-kernel path; an integer forces chunks of that many
+keys (a multiple of ``block_n``; the tests use it). Under a CUDA graph the
+metadata's ``max_seq_len`` is ``max_model_len``, so a graph's choice is fixed
+at capture and chunks past a sequence's context exit at once.
 """
 from __future__ import annotations
 
@@ -17,7 +27,9 @@ import triton.language as tl
 from ..kv.quant import is_quantized
 from .backend import AttentionBackend
 from .metadata import BatchMetadata, batch_fields, to_device
+from .split_kv import H100_SMS, plan_kv_splits
 from .triton_kernel import paged_attention_kernel
+from .triton_split_kv import split_kv_attend
 
 _ACC = {torch.float64: tl.float64}
 
@@ -31,7 +43,8 @@ class TritonBackend(AttentionBackend):
 
     name = "triton"
 
-    def __init__(self, device: torch.device | str = "cuda", block_m: int = 64, block_n: int = 64):
+    def __init__(self, device: torch.device | str = "cuda", block_m: int = 64, block_n: int = 64,
+                 kv_split: int | str = "auto"):
         dev = torch.device(device)
         if dev.type != "cuda" and not interpreting():
             raise ValueError(f'attention backend "triton" runs on CUDA, not {dev.type}; on a CPU '
@@ -40,6 +53,14 @@ class TritonBackend(AttentionBackend):
             if b < 16 or b & (b - 1):
                 raise ValueError(f"{nm} must be a power of two >= 16 (tl.dot), got {b}")
         self.block_m, self.block_n = block_m, block_n
+        if kv_split not in ("auto", "never") and not (isinstance(kv_split, int) and kv_split > 0
+                                                      and kv_split % block_n == 0):
+            raise ValueError(f'kv_split must be "auto", "never" or a positive multiple of block_n '
+                             f'({block_n}), got {kv_split!r}')
+        self.kv_split = kv_split
+        # the SMs to fill: the GPU's own count on CUDA; an H100's under the interpreter
+        self.num_sms = (torch.cuda.get_device_properties(dev).multi_processor_count
+                        if dev.type == "cuda" else H100_SMS)
 
     def build_metadata(self, query_lens, seq_lens, block_tables=None, block_size=0, device="cpu"):
         fields = batch_fields(query_lens, seq_lens, block_tables, block_size)
@@ -62,6 +83,12 @@ class TritonBackend(AttentionBackend):
         rows = meta.max_query_len * G
         block_m = 16 if rows <= 16 else self.block_m
         out = torch.empty_like(q)
+        splits, size = self.kv_splits(meta.num_seqs * Hkv * triton.cdiv(rows, block_m), meta.max_seq_len)
+        if splits > 1:
+            return split_kv_attend(q, k_src, v_src, out, meta, paged=paged, num_splits=splits,
+                                   split_size=size, block_m=block_m, block_n=self.block_n,
+                                   acc_dtype=_ACC.get(q.dtype, tl.float32), kv_quant=quant,
+                                   k_scale=k_scale, v_scale=v_scale)
         bt = meta.block_tables if paged else meta.query_start_loc   # unused when not paged
         grid = (meta.num_seqs, Hkv, triton.cdiv(rows, block_m))
         paged_attention_kernel[grid](
@@ -75,3 +102,11 @@ class TritonBackend(AttentionBackend):
             PAGED=paged, ACC_DTYPE=_ACC.get(q.dtype, tl.float32), DOT_PRECISION="ieee",
         )
         return out
+
+    def kv_splits(self, num_programs: int, max_seq_len: int) -> tuple[int, int]:
+        """``(num_splits, split_size)`` for a step (see the module docstring)."""
+        if self.kv_split == "never":
+            return 1, max_seq_len
+        if self.kv_split == "auto":
+            return plan_kv_splits(num_programs, max_seq_len, self.num_sms, self.block_n)
+        return -(-max_seq_len // self.kv_split), self.kv_split

@@ -31,8 +31,8 @@ A quantized cache (``KV_QUANT``: 1 int8, 2 float8 e4m3, passed as its bytes)
 is read through :func:`load_kv_tile`, which dequantizes each tile as it loads
 it (stored value x the slot's float32 scale per KV head) in the accumulator's
 dtype and hands the dot product the query's dtype.
-Not done: splitting a long context over several programs (flash-decoding),
-which a GPU wants when there are fewer (sequence, KV head) pairs than cores.
+Splitting a long context over several programs (Flash-Decoding), which a GPU
+wants when there are fewer programs than SMs, is :mod:`.triton_split_kv`.
 """
 import triton
 import triton.language as tl

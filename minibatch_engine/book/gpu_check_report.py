@@ -21,8 +21,8 @@ def gpu_status(report: dict | None) -> str:
     """One sentence: has this code run on a GPU, and where."""
     if report is None:
         return ("No GPU has run this book's CUDA code yet (the repository has no "
-                "gpu_check.json): the Triton kernel on CUDA, the CUDA graphs and the "
-                "side-stream swap are untested on a GPU")
+                "gpu_check.json): the Triton kernels (paged and split-KV), the CUDA graphs "
+                "and the side-stream swap are untested on a GPU")
     m, tests = report["machine"], report.get("cuda_tests", {})
     return (f"make gpu-check has run this book's CUDA code on a GPU ({m['gpu']}, "
             f"{m['date_utc']}, commit {str(m['git_commit'])[:10]}): {tests.get('passed')} CUDA "

@@ -81,6 +81,21 @@ def layout_rates(config, rounds: int = 6, **step_args) -> dict:
     return out
 
 
+def loop_rates(config, rounds: int = 6, **step_args) -> dict:
+    """Bytes per second of the kernel's explicit-SIMD passes and of its plain
+    loops, on the synthetic step with consecutive blocks: the median of
+    ``rounds`` alternating rounds, each version first in turn."""
+    step = synthetic_decode_step(config, False, **step_args)
+    seconds = {True: [], False: []}
+    for r in range(rounds):
+        for simd in (True, False)[:: 1 if r % 2 == 0 else -1]:
+            step.backend.simd = simd
+            seconds[simd].append(layer_seconds(step))
+    step.backend.simd = True
+    return {"simd": step.bytes_per_layer / statistics.median(seconds[True]),
+            "plain": step.bytes_per_layer / statistics.median(seconds[False])}
+
+
 def decode_read_rate(engine) -> float:
     """Context bytes per second that ``engine``'s attention backend reads in the
     decode steps of a run to the end (the engine holds its requests already)."""

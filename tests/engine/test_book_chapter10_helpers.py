@@ -20,6 +20,8 @@ def test_the_synthetic_step_reads_what_it_says(tiny32):
     rates = kv_reads.layout_rates(cfg, rounds=2, seqs=4, context=32, layers=2, block_size=8)
     assert rates["consecutive"] > 0 and rates["shuffled"] > 0 and rates["layers"] == 2
     assert rates["pool_mib"] == step.bytes_per_layer * 2 / 2**20
+    loops = kv_reads.loop_rates(cfg, rounds=2, seqs=4, context=32, layers=2, block_size=8)
+    assert loops["simd"] > 0 and loops["plain"] > 0
 
 
 def test_the_decode_read_rate_counts_decode_steps_only(tiny32):

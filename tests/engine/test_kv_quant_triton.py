@@ -30,14 +30,16 @@ if not ON_CUDA and type(paged_attention_kernel).__name__ != "InterpretedFunction
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_triton_equals_the_reference_over_a_quantized_cache(kv, dtype):
     """Decodes, prefills and chunks; block sizes 1/16/32; GQA; scales per (token,
-    head) and static: the kernel's dequantizing loads give the reference's output."""
-    backend = TritonBackend(DEVICE, block_m=16, block_n=16)
+    head) and static: the kernel's dequantizing loads give the reference's output,
+    on the one-kernel path and on the split-KV (Flash-Decoding) path alike."""
     gen = torch.Generator().manual_seed(6)
-    for kind in ("decode", "mixed"):
-        for block_size, (h, hkv) in [(1, (2, 2)), (16, (4, 2)), (32, (4, 1))]:
-            case = random_batch(gen, kind, block_size, h, hkv, 16, dtype, num_seqs=3, max_len=36)
-            assert_quantized_matches_reference(backend, case, kv, device=DEVICE)
-            assert_quantized_matches_reference(backend, case, kv, static=True, device=DEVICE)
+    for split in ("never", 16):
+        backend = TritonBackend(DEVICE, block_m=16, block_n=16, kv_split=split)
+        for kind in ("decode", "mixed"):
+            for block_size, (h, hkv) in [(1, (2, 2)), (16, (4, 2)), (32, (4, 1))]:
+                case = random_batch(gen, kind, block_size, h, hkv, 16, dtype, num_seqs=3, max_len=36)
+                assert_quantized_matches_reference(backend, case, kv, device=DEVICE)
+                assert_quantized_matches_reference(backend, case, kv, static=True, device=DEVICE)
 
 
 @pytest.mark.parametrize("kv", ["fp8", "int8"])
