@@ -16,6 +16,7 @@ from .scheduler.policy import POLICIES
 from .scheduler.preemption import PREEMPTION_MODES
 from .model.config import PRESETS
 from .sim import GPUS
+from .sim.precision import WEIGHT_DTYPES
 from .speculative.config import SPEC_METHODS
 from .workload import CLASS_WORKLOADS, DEFAULT_SLO_E2E_S, DEFAULT_SLO_TTFT_S, parse_clients, workload_names
 
@@ -119,6 +120,11 @@ def _sim_args(p: argparse.ArgumentParser, simulate: bool) -> None:
                    help="model shape the simulator prices")
     p.add_argument("--tp", type=int, default=1, metavar="N",
                    help="simulator only: tensor parallelism over N GPUs (weights, KV heads, projections sharded)")
+    p.add_argument("--weight-dtype", choices=list(WEIGHT_DTYPES), default="auto",
+                   help="simulator only: the projection weights' dtype it prices (auto = bf16; fp8; int4 with "
+                        "a scale and zero per 128 weights): fewer bytes read per decode step, more memory "
+                        "for KV. Priced by bytes alone: the GPU profiles hold bf16 GEMMs only, so no "
+                        "fp8/int4 kernel, fp8 tensor-core speed-up or dequantization cost is in it")
 
 
 def _engine_args(p: argparse.ArgumentParser, simulate: bool) -> None:
@@ -343,6 +349,7 @@ def _engine_options(args) -> dict:
     """The EngineConfig fields the bench-like commands share."""
     return dict(kv_layout=args.kv or "auto", kv_budget_bytes=args.kv_budget, block_size=args.block_size,
                 tensor_parallel_size=getattr(args, "tp", 1),
+                sim_weight_dtype=getattr(args, "weight_dtype", "auto"),
                 enable_prefix_caching=not args.no_prefix_caching,
                 max_num_batched_tokens="auto" if args.max_num_batched_tokens is None else args.max_num_batched_tokens,
                 enable_chunked_prefill=not args.no_chunked_prefill,
