@@ -45,6 +45,8 @@ def summarize(engine: Engine, requests, ps=DEFAULT_PERCENTILES, goodput=None) ->
         "max_num_batched_tokens": engine.config.max_num_batched_tokens,
         "chunked_prefill": engine.config.enable_chunked_prefill and engine.config.max_num_batched_tokens is not None,
         "kv_blocks": engine.kv_cache.num_blocks,
+        "kv_cache_dtype": engine.config.kv_cache_dtype,
+        "kv_bytes_per_token": engine.kv_cache.bytes_per_token,
     }
     spec = engine.config.speculative
     s["speculative_method"] = spec.method if spec else None
@@ -252,6 +254,12 @@ def _goodput_row(s: dict) -> list:
              f"{_fmt(s['goodput'])} requests/s ({_fmt(s['good_requests'])} of {_fmt(s['completed'])})")]
 
 
+def _kv_dtype_note(s) -> str:
+    """``", fp8: 1,088 bytes per token"`` for a quantized cache (nothing for "auto")."""
+    dtype = s.get("kv_cache_dtype", "auto")
+    return "" if dtype == "auto" else f", {dtype}: {s.get('kv_bytes_per_token'):,} bytes per token"
+
+
 def format_report(summary: dict, simulated: bool = False) -> str:
     """The summary as a short grouped table a person reads (every key is in the
     JSON). Latencies name their clock: simulated seconds, or wall seconds."""
@@ -282,7 +290,8 @@ def format_report(summary: dict, simulated: bool = False) -> str:
             for name, key in (("TTFT", "ttft"), ("TPOT", "tpot"), ("ITL", "itl"), ("E2EL", "e2el"))]),
         ("KV memory", [
             ("cache", f"{s['kv_layout']}, {_bytes(s.get('kv_capacity_bytes'))} in {_fmt(s.get('kv_blocks'))} "
-                      f"{'rows' if s['kv_layout'] == 'reserved' else 'blocks'}"),
+                      f"{'rows' if s['kv_layout'] == 'reserved' else 'blocks'}"
+                      + _kv_dtype_note(s)),
             ("utilization (mean)", _fmt(s.get("kv_utilization"))),
             ("prefix-cache hits", f"{_fmt(s.get('prefix_cache_hit_tokens'))} tokens")]),
         ("speculative decoding", [

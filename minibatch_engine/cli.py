@@ -11,6 +11,7 @@ import sys
 
 from .attention import BACKENDS
 from .kv.config import KV_LAYOUTS
+from .kv.quant import KV_CACHE_DTYPES
 from .scheduler.config import SCHEDULER_NAMES
 from .scheduler.policy import POLICIES
 from .scheduler.preemption import PREEMPTION_MODES
@@ -138,6 +139,9 @@ def _engine_args(p: argparse.ArgumentParser, simulate: bool) -> None:
     p.add_argument("--kv-budget", type=int, default=None, metavar="BYTES",
                    help="KV cache memory in bytes (default: max-batch x max-model-len tokens, capped by memory)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (paged)")
+    p.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto",
+                   help="how K and V are stored: auto (the model's dtype), fp8 (float8 e4m3) or int8, "
+                        "one byte per value plus a float32 scale per token and KV head")
     p.add_argument("--no-prefix-caching", action="store_true", help="paged: do not share prompt prefixes")
     p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="T",
                    help="per-step token budget (default: 2048, continuous scheduler only)")
@@ -353,6 +357,7 @@ def _generate(args) -> int:
 def _engine_options(args) -> dict:
     """The EngineConfig fields the bench-like commands share."""
     return dict(kv_layout=args.kv or "auto", kv_budget_bytes=args.kv_budget, block_size=args.block_size,
+                kv_cache_dtype=args.kv_cache_dtype,
                 tensor_parallel_size=getattr(args, "tp", 1),
                 sim_weight_dtype=getattr(args, "weight_dtype", "auto"),
                 enable_prefix_caching=not args.no_prefix_caching,

@@ -54,6 +54,11 @@ class EngineConfig:
         the draft's then come on top).
     enable_prefix_caching: paged cache only: share the full blocks of a common
         prompt prefix. watermark: share of blocks admission keeps free.
+    kv_cache_dtype: how K and V are stored (vLLM's knob): ``"auto"`` (default,
+        the model's dtype), ``"fp8"`` (float8 e4m3; ``"fp8_e4m3"`` is the same) or
+        ``"int8"``: one byte per value plus a float32 scale per token and KV
+        head (:mod:`minibatch_engine.kv.quant`), so a byte budget holds about
+        twice the blocks of float16 (four times those of float32).
     max_num_batched_tokens: the per-step token budget. ``"auto"`` (default):
         2048 for the continuous scheduler (at least ``max_num_seqs``; at least
         ``max_model_len`` without chunked prefill), none for static batching.
@@ -115,6 +120,7 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
     watermark: float = 0.01
+    kv_cache_dtype: str = "auto"
     max_num_batched_tokens: int | None | str = "auto"
     enable_chunked_prefill: bool = True
     max_num_partial_prefills: int = 1

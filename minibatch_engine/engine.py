@@ -28,6 +28,7 @@ import torch
 from .config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from .inputs import as_token_ids, check_arrival_time
 from .kv import HostKVPool, KVPool, PagedKVCache, ReservedKVCache, SwapSpace
+from .kv.quant import kv_bytes_per_token
 from .model.config import ModelConfig, get_preset
 from .request import FinishReason, Request
 from .outputs import RunnerOutput, SchedulerOutput
@@ -143,8 +144,7 @@ class Engine:
         draft holds as many tokens as the target, plus room per sequence for its
         k - 1 guesses and a partly filled block, and the target gets the rest."""
         cfg, mc = self.config, self.model_config
-        elem = torch.empty(0, dtype=dtype).element_size()
-        per_token = mc.kv_bytes_per_token(elem)
+        per_token = kv_bytes_per_token(mc, dtype, cfg.kv_cache_dtype)
         if self.cost_model is not None and self.model is None:      # KV heads replicated past tp = KV heads
             per_token = int(per_token * self.cost_model.kv_replication)
         self.draft_tokens_per_seq = 0
@@ -152,7 +152,7 @@ class Engine:
         if cfg.speculative is not None and cfg.speculative.method == "draft_model":
             # the real draft's shape, or (simulator alone) the shape its cost model prices
             draft_cfg = draft.config if draft is not None else self.draft_cost_model.model
-            draft_per_token = draft_cfg.kv_bytes_per_token(elem)
+            draft_per_token = kv_bytes_per_token(draft_cfg, dtype, cfg.kv_cache_dtype)
             if self.draft_cost_model is not None and self.model is None:
                 draft_per_token = int(draft_per_token * self.draft_cost_model.kv_replication)
             self.draft_tokens_per_seq = cfg.speculative.num_speculative_tokens + self._draft_block_size()
@@ -168,23 +168,24 @@ class Engine:
                 raise ValueError(f"a KV budget of {budget} bytes{share} holds no row of {cfg.max_model_len} "
                                  f"tokens ({per_token * cfg.max_model_len} bytes); raise kv_budget_bytes or "
                                  "lower max_model_len")
-            return ReservedKVCache(mc, rows, cfg.max_model_len, dtype)
+            return ReservedKVCache(mc, rows, cfg.max_model_len, dtype, cfg.kv_cache_dtype)
         blocks = cfg.num_kv_blocks if cfg.num_kv_blocks is not None else budget // (per_token * cfg.block_size)
         if blocks < 1:
             raise ValueError(f"a KV budget of {budget} bytes{share} holds no block of {cfg.block_size} tokens; "
                              "raise kv_budget_bytes or lower block_size")
         return PagedKVCache(mc, blocks, cfg.block_size, dtype,
-                            enable_prefix_caching=cfg.enable_prefix_caching, watermark=cfg.watermark)
+                            enable_prefix_caching=cfg.enable_prefix_caching, watermark=cfg.watermark,
+                            kv_cache_dtype=cfg.kv_cache_dtype)
 
     def _make_model_runner(self, model, proposer) -> ModelRunner:
         """The runner, with the tensors the scheduler's bookkeeping stands for: the
         KV pool on the model's device and, for swap preemption, its host pool;
         and speculative decoding's proposer, which it runs after sampling."""
         cfg = self.config
-        pool = KVPool.for_cache(self.kv_cache, model.config, model.dtype, model.device)
+        pool = KVPool.for_cache(self.kv_cache, model.config, model.dtype, model.device, cfg.kv_cache_dtype)
         swap = getattr(self.scheduler, "preemptor", None) and self.scheduler.preemptor.swap_space
-        host = (HostKVPool(model.config, swap.num_blocks, cfg.block_size, model.dtype, model.device.type)
-                if swap else None)
+        host = (HostKVPool(model.config, swap.num_blocks, cfg.block_size, model.dtype, model.device.type,
+                           cfg.kv_cache_dtype) if swap else None)
         return ModelRunner(model, pool, host_pool=host, attention_backend=cfg.attention_backend,
                            cuda_graphs=cfg.cuda_graphs, cpu_threads=cfg.cpu_threads,
                            max_num_seqs=cfg.max_num_seqs,
@@ -227,7 +228,8 @@ class Engine:
         bs = self._draft_block_size()
         tokens = self.kv_cache.num_blocks * self.kv_cache.block_size + cfg.max_num_seqs * self.draft_tokens_per_seq
         # whole blocks, rounded down: the two caches stay inside the budget
-        return DraftModelProposer(draft, spec.num_speculative_tokens, tokens // bs, bs, cfg.attention_backend)
+        return DraftModelProposer(draft, spec.num_speculative_tokens, tokens // bs, bs, cfg.attention_backend,
+                                  kv_cache_dtype=cfg.kv_cache_dtype)
 
     def _make_scheduler(self) -> Scheduler:
         cfg = self.config

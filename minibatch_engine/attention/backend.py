@@ -24,6 +24,7 @@ from typing import Sequence
 
 import torch
 
+from ..kv.quant import is_quantized, write_slots
 from .metadata import BatchMetadata
 
 class AttentionBackend(ABC):
@@ -43,16 +44,20 @@ class AttentionBackend(ABC):
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BatchMetadata,
                k_cache: torch.Tensor | None, v_cache: torch.Tensor | None) -> torch.Tensor:
         """Attention only. The new K/V are already in the cache, unless the backend
-        sets ``writes_kv`` and writes them at ``meta.slot_mapping`` itself. Returns
+        sets ``writes_kv`` and writes them at ``meta.slot_mapping`` itself (a
+        quantized cache is always written before). With a quantized cache every
+        key and value is read back from it, the step's own too. Returns
         ``[T, Hq, D]``."""
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: BatchMetadata,
                 k_cache: torch.Tensor | None = None,
                 v_cache: torch.Tensor | None = None) -> torch.Tensor:
         """q: ``[T, Hq, D]``; k, v: ``[T, Hkv, D]``, this step's new tokens;
-        k_cache, v_cache: one layer's slots ``[num_slots, Hkv, D]``, or None for a
-        cache-free forward. Writes the new K/V at ``meta.slot_mapping``, then
-        attends. Returns ``[T, Hq, D]``."""
+        k_cache, v_cache: one layer's slots ``[num_slots, Hkv, D]`` (plain tensors,
+        or :class:`~minibatch_engine.kv.quant.QuantizedSlots` for an fp8/int8
+        cache), or None for a cache-free forward. Writes the new K/V at
+        ``meta.slot_mapping`` (quantizing them here, for every backend, when the
+        cache is quantized), then attends. Returns ``[T, Hq, D]``."""
         if meta.backend is not None and type(meta.backend) is not type(self):
             raise ValueError(f"metadata built by the {meta.backend.name!r} backend was passed to "
                              f"{self.name!r}: build it with the backend that runs it")
@@ -61,9 +66,9 @@ class AttentionBackend(ABC):
                              "built with block tables needs a KV cache")
         if q.shape[1] % k.shape[1]:
             raise ValueError(f"{q.shape[1]} query heads are not a multiple of {k.shape[1]} KV heads")
-        if k_cache is not None and not self.writes_kv:
-            k_cache.index_copy_(0, meta.slot_mapping, k)
-            v_cache.index_copy_(0, meta.slot_mapping, v)
+        if k_cache is not None and (not self.writes_kv or is_quantized(k_cache)):
+            write_slots(k_cache, meta.slot_mapping, k)     # quantized on write when the cache is
+            write_slots(v_cache, meta.slot_mapping, v)
         return self.attend(q, k, v, meta, k_cache, v_cache)
 
     def __repr__(self) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..kv.quant import is_quantized
 from .backend import AttentionBackend
 from .cpu_kernel import load_cpu_kernel
 from .metadata import BatchMetadata, batch_fields
@@ -36,6 +37,11 @@ class CppBackend(AttentionBackend):
         return BatchMetadata(**batch_fields(query_lens, seq_lens, block_tables, block_size), backend=self)
 
     def attend(self, q, k, v, meta: BatchMetadata, k_cache, v_cache):
+        if is_quantized(k_cache):   # written already (quantized on write); dequantized in the kernel
+            q = q if q.stride(-1) == 1 and q.stride(-2) == q.shape[-1] else q.contiguous()
+            return self.kernel.paged_attention_quantized(
+                q, k_cache.data, v_cache.data, k_cache.slot_scales(), v_cache.slot_scales(),
+                meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.block_size)
         q, k, v = (t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous()
                    for t in (q, k, v))
         if k_cache is None:   # no cache: the keys are the step's own tokens

@@ -17,6 +17,7 @@ from typing import Sequence
 
 import torch
 
+from ..kv.quant import read_slots
 from .backend import AttentionBackend
 from .metadata import BatchMetadata, batch_fields, to_device
 
@@ -123,7 +124,8 @@ def _group_attention(q, k_src, v_src, g: AttentionGroup) -> torch.Tensor:
     Hkv = k_src.shape[1]
     G = Hq // Hkv
     S, Qmax = g.num_seqs, g.max_query_len
-    keys, values = k_src[g.context_index], v_src[g.context_index]      # [S, Lmax, Hkv, D]
+    keys = read_slots(k_src, g.context_index, q.dtype)               # [S, Lmax, Hkv, D]
+    values = read_slots(v_src, g.context_index, q.dtype)             # (dequantized if stored in 8 bits)
     qp = q.new_zeros(S * Qmax, Hq, D)
     qp[g.query_index] = q
     qp = qp.view(S, Qmax, Hkv, G, D)

@@ -44,6 +44,7 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ..kv.quant import is_quantized, read_blocks, read_slots
 from .backend import AttentionBackend
 from .metadata import BatchMetadata, batch_fields, to_device
 
@@ -155,12 +156,11 @@ class SdpaBackend(AttentionBackend):
             return self._multi_token(q, k, v, meta, meta.multi_token[0], k_cache, v_cache, 0)
         out = torch.empty_like(q)
         if meta.decode_buckets:
-            k_blocks = k_cache.view(-1, meta.block_size, Hkv, D)
-            v_blocks = v_cache.view(-1, meta.block_size, Hkv, D)
+            bs = meta.block_size
             for b, bucket in enumerate(meta.decode_buckets):
-                n, width = bucket.token_index.numel(), bucket.num_blocks * meta.block_size
-                keys = k_blocks[bucket.block_table].view(n, width, Hkv, D).transpose(1, 2)
-                values = v_blocks[bucket.block_table].view(n, width, Hkv, D).transpose(1, 2)
+                n, width = bucket.token_index.numel(), bucket.num_blocks * bs
+                keys = read_blocks(k_cache, bs, bucket.block_table, q.dtype).view(n, width, Hkv, D).transpose(1, 2)
+                values = read_blocks(v_cache, bs, bucket.block_table, q.dtype).view(n, width, Hkv, D).transpose(1, 2)
                 queries = q[bucket.token_index].view(n, Hkv, Hq // Hkv, D)  # GQA: heads as rows
                 mask = meta.additive_mask(("decode", b), bucket.valid, q.dtype)[:, None, None, :]
                 out[bucket.token_index] = F.scaled_dot_product_attention(
@@ -172,16 +172,19 @@ class SdpaBackend(AttentionBackend):
     @staticmethod
     def _multi_token(q, k, v, meta, plan: MultiTokenPlan, k_cache, v_cache, i):
         queries = q[plan.start:plan.end].transpose(0, 1)                  # [Hq, Q, D]
-        if plan.context_len == 0:    # keys are this step's own tokens
-            keys = k[plan.start:plan.end].transpose(0, 1)
-            values = v[plan.start:plan.end].transpose(0, 1)
+        if plan.context_len == 0:    # keys are this step's own tokens (as stored, if quantized)
+            keys, values = k[plan.start:plan.end], v[plan.start:plan.end]
+            if is_quantized(k_cache):
+                slots = meta.slot_mapping[plan.start:plan.end]
+                keys, values = read_slots(k_cache, slots, q.dtype), read_slots(v_cache, slots, q.dtype)
+            keys, values = keys.transpose(0, 1), values.transpose(0, 1)
             out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True,
                                                  enable_gqa=True)
         else:
             Hkv, D = k.shape[1:]
             L = plan.context_len + plan.end - plan.start
-            keys = k_cache.view(-1, meta.block_size, Hkv, D)[plan.block_table].view(-1, Hkv, D)[:L]
-            values = v_cache.view(-1, meta.block_size, Hkv, D)[plan.block_table].view(-1, Hkv, D)[:L]
+            keys = read_blocks(k_cache, meta.block_size, plan.block_table, q.dtype).view(-1, Hkv, D)[:L]
+            values = read_blocks(v_cache, meta.block_size, plan.block_table, q.dtype).view(-1, Hkv, D)[:L]
             mask = meta.additive_mask(("multi", i), plan.valid, q.dtype)
             out = F.scaled_dot_product_attention(queries, keys.transpose(0, 1), values.transpose(0, 1),
                                                  attn_mask=mask, enable_gqa=True)

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..kv.quant import is_quantized
 from .backend import AttentionBackend
 from .metadata import BatchMetadata, batch_fields, to_device
 from .triton_kernel import paged_attention_kernel
@@ -50,6 +51,12 @@ class TritonBackend(AttentionBackend):
         G = Hq // Hkv
         paged = k_cache is not None
         k_src, v_src = (k_cache, v_cache) if paged else (k, v)
+        quant, k_scale, v_scale = 0, q, q            # (scales unused when not quantized)
+        if is_quantized(k_cache):   # its bytes (float8 as uint8) and per-slot scales
+            quant = 2 if k_cache.fmt.name == "fp8" else 1
+            k_scale, v_scale = k_cache.slot_scales(), v_cache.slot_scales()
+            k_src, v_src = k_cache.data.view(torch.uint8) if quant == 2 else k_cache.data, \
+                v_cache.data.view(torch.uint8) if quant == 2 else v_cache.data
         if any(t.stride(-1) != 1 for t in (q, k_src, v_src)):
             raise ValueError("triton attention needs q, k and v with a contiguous head dimension")
         rows = meta.max_query_len * G
@@ -62,6 +69,7 @@ class TritonBackend(AttentionBackend):
             q.stride(0), q.stride(1), k_src.stride(0), k_src.stride(1), v_src.stride(0), v_src.stride(1),
             out.stride(0), out.stride(1),
             bt.stride(0),
+            k_scale, v_scale, k_scale.stride(0), v_scale.stride(0), KV_QUANT=quant,
             G=G, HEAD_DIM=D, BLOCK_D=max(16, triton.next_power_of_2(D)),
             BLOCK_M=block_m, BLOCK_N=self.block_n, BLOCK_SIZE=max(meta.block_size, 1),
             PAGED=paged, ACC_DTYPE=_ACC.get(q.dtype, tl.float32), DOT_PRECISION="ieee",

@@ -27,6 +27,10 @@ tiles, and inside the last ones ``key <= query position`` masks the rest.
 
 Accumulators are float32 (float64 for float64 inputs, so the float64 checks
 stay exact); fp32 products use ``input_precision="ieee"`` (no TF32).
+A quantized cache (``KV_QUANT``: 1 int8, 2 float8 e4m3, passed as its bytes)
+is read through :func:`load_kv_tile`, which dequantizes each tile as it loads
+it (stored value x the slot's float32 scale per KV head) in the accumulator's
+dtype and hands the dot product the query's dtype.
 Not done: splitting a long context over several programs (flash-decoding),
 which a GPU wants when there are fewer (sequence, KV head) pairs than cores.
 """
@@ -35,10 +39,25 @@ import triton.language as tl
 
 
 @triton.jit
+def load_kv_tile(ptr, scale_ptr, slot, kv_head, stride_t, stride_h, stride_s, d, mask,
+                 KV_QUANT: tl.constexpr, ACC_DTYPE: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """A ``[BLOCK_N, BLOCK_D]`` tile of K or V at ``slot``: as stored, or (``KV_QUANT``
+    1: int8, 2: float8 e4m3 bytes) dequantized with the slot's scale for ``kv_head``."""
+    x = tl.load(ptr + slot[:, None] * stride_t + kv_head * stride_h + d[None, :], mask=mask, other=0)
+    if KV_QUANT == 0:
+        return x
+    if KV_QUANT == 2:
+        x = x.to(tl.float8e4nv, bitcast=True).to(tl.float32)    # exact: e4m3 fits float32
+    s = tl.load(scale_ptr + slot * stride_s + kv_head)
+    return (x.to(ACC_DTYPE) * s.to(ACC_DTYPE)[:, None]).to(OUT_DTYPE)
+
+
+@triton.jit
 def paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, o_ptr,
     block_tables_ptr, seq_lens_ptr, query_lens_ptr, query_start_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh, stride_bt,
+    k_scale_ptr, v_scale_ptr, stride_ks, stride_vs, KV_QUANT: tl.constexpr,
     G: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     PAGED: tl.constexpr, ACC_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -77,8 +96,8 @@ def paged_attention_kernel(
         else:
             slot = q_start + n
         kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_ptr + slot[:, None] * stride_kt + kv_head * stride_kh + d[None, :],
-                    mask=kv_mask, other=0.0)
+        k = load_kv_tile(k_ptr, k_scale_ptr, slot, kv_head, stride_kt, stride_kh, stride_ks, d, kv_mask,
+                         KV_QUANT, ACC_DTYPE, q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION).to(ACC_DTYPE) * scale
         # Key 0 is in the first tile and every row may see it, so m_new is finite.
         s = tl.where((n[None, :] <= q_pos[:, None]) & n_ok[None, :], s, float("-inf"))
@@ -86,8 +105,8 @@ def paged_attention_kernel(
         alpha = tl.exp(m_i - m_new)                       # rescales what was summed so far
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptr + slot[:, None] * stride_vt + kv_head * stride_vh + d[None, :],
-                    mask=kv_mask, other=0.0)
+        v = load_kv_tile(v_ptr, v_scale_ptr, slot, kv_head, stride_vt, stride_vh, stride_vs, d, kv_mask,
+                         KV_QUANT, ACC_DTYPE, q.dtype)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION).to(ACC_DTYPE)
         m_i = m_new
     out = acc / l_i[:, None]

@@ -87,6 +87,10 @@ class _RunnerWrapper:
     def __init__(self, runner):
         self.runner = runner
         pool = runner.kv_pool
+        if getattr(pool, "quantized", False):
+            raise ValueError(f"the KV connector moves a float cache; this engine stores it as "
+                             f"kv_cache_dtype={pool.kv_cache_dtype!r} (bytes and scales): run the P/D "
+                             "engines with kv_cache_dtype='auto'")
         self._flat = pool.kv.view(pool.num_layers, 2, -1, pool.num_kv_heads, pool.head_dim)
         self.block_size = pool.block_size
 

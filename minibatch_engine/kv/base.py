@@ -30,6 +30,7 @@ from typing import Sequence
 import torch
 
 from ..outputs import BlockCopy
+from .quant import kv_bytes_per_token
 
 
 @dataclass(frozen=True)
@@ -54,11 +55,12 @@ class KVCacheManager(ABC):
 
     watermark_blocks: int = 0   # blocks admission keeps free for running requests to grow
 
-    def __init__(self, model_config, num_blocks: int, block_size: int, dtype: torch.dtype):
+    def __init__(self, model_config, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 kv_cache_dtype: str = "auto"):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
-        element = torch.empty((), dtype=dtype).element_size()
-        self.bytes_per_token = model_config.kv_bytes_per_token(element)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.bytes_per_token = kv_bytes_per_token(model_config, dtype, kv_cache_dtype)
         self._num_blocks, self.block_size = num_blocks, block_size
         self._copies: list[BlockCopy] = []
 

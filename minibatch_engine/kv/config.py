@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..checks import check_bool, check_choice, check_int, check_number
+from .quant import KV_CACHE_DTYPES
 
 KV_LAYOUTS = ("paged", "reserved")        # and "auto": paged, or reserved for static batching
 
@@ -21,6 +22,7 @@ class CacheConfig:
     enable_prefix_caching: bool = True
     watermark: float = 0.01
     swap_space_bytes: int = 0
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self):
         check_choice("kv_layout", self.kv_layout, KV_LAYOUTS + ("auto",))
@@ -31,3 +33,4 @@ class CacheConfig:
         check_number("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0, low_open=True)
         check_number("watermark", self.watermark, 0.0, 1.0, high_open=True)
         check_bool("enable_prefix_caching", self.enable_prefix_caching)
+        check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)

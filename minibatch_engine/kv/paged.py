@@ -25,10 +25,10 @@ class PagedKVCache(KVCacheManager):
 
     def __init__(self, model_config, num_blocks: int, block_size: int = 16,
                  dtype: torch.dtype = torch.float32, enable_prefix_caching: bool = True,
-                 watermark: float = 0.01, hash_fn=None):
+                 watermark: float = 0.01, hash_fn=None, kv_cache_dtype: str = "auto"):
         if not 0 <= watermark < 1:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
-        super().__init__(model_config, num_blocks, block_size, dtype)
+        super().__init__(model_config, num_blocks, block_size, dtype, kv_cache_dtype)
         kwargs = {} if hash_fn is None else {"hash_fn": hash_fn}
         self.manager = BlockManager(num_blocks, block_size, enable_prefix_caching, **kwargs)
         # Admission keeps a few blocks free so running requests can still grow.

@@ -12,6 +12,13 @@ request owns, and differ in how they hand them out:
 
 The last block of the pool is a *null block* that belongs to no request: padding
 work (the static batcher's pad tokens) writes its K/V there.
+
+With ``kv_cache_dtype="fp8"`` or ``"int8"`` the pool stores K and V in one byte
+each with float32 scales beside them (:mod:`.quant`): per (token, KV head) in
+``scales``, shaped like the pool without its head dimension, so every block
+copy and swap moves a block's scales with its bytes; or static scales per head
+(``kv_cache_scale="per_head"`` / ``"per_tensor"``, calibrated and passed as
+``static_scales``), which never move.
 """
 from __future__ import annotations
 
@@ -19,6 +26,8 @@ import mmap
 import sys
 
 import torch
+
+from .quant import SCALE_GRANULARITIES, QuantizedSlots, kv_format
 
 _MIN_MMAP_BYTES = 8 << 20
 
@@ -47,39 +56,87 @@ def _lazy_zeros(shape, dtype) -> torch.Tensor:
 
 class KVPool:
     @classmethod
-    def for_cache(cls, kv_cache, model_config, dtype: torch.dtype, device: torch.device | str) -> "KVPool":
+    def for_cache(cls, kv_cache, model_config, dtype: torch.dtype, device: torch.device | str,
+                  kv_cache_dtype: str = "auto") -> "KVPool":
         """The pool a cache manager (paged or reserved) hands out: its blocks, in
         the model's shape."""
         return cls(model_config.num_layers, kv_cache.num_blocks, kv_cache.block_size,
-                   model_config.num_kv_heads, model_config.head_dim, dtype, device)
+                   model_config.num_kv_heads, model_config.head_dim, dtype, device, kv_cache_dtype)
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str):
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str,
+                 kv_cache_dtype: str = "auto", kv_cache_scale: str = "per_token_head",
+                 static_scales: torch.Tensor | None = None):
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
         self.num_layers, self.num_blocks, self.block_size = num_layers, num_blocks, block_size
         self.num_kv_heads, self.head_dim, self.dtype = num_kv_heads, head_dim, dtype
+        self.kv_cache_dtype, self.kv_cache_scale = kv_cache_dtype, kv_cache_scale
+        self.format = kv_format(kv_cache_dtype)
+        storage = dtype if self.format is None else self.format.storage
         # [layers, K/V, num_blocks + 1 (null block), block_size, kv_heads, head_dim]
         shape = (num_layers, 2, num_blocks + 1, block_size, num_kv_heads, head_dim)
-        self.kv = _lazy_zeros(shape, dtype) if torch.device(device).type == "cpu" \
-            else torch.zeros(shape, dtype=dtype, device=device)
+        cpu = torch.device(device).type == "cpu"
+        self.kv = _lazy_zeros(shape, storage) if cpu else torch.zeros(shape, dtype=storage, device=device)
+        self.scales = self._make_scales(shape[:-1], static_scales, cpu, device)
         self.null_block = num_blocks
 
+    def _make_scales(self, shape, static_scales, cpu, device) -> torch.Tensor | None:
+        """Per-(token, head) scales ``[layers, 2, blocks + 1, block_size, kv_heads]``
+        (float32, written with the data), the static ``[layers, 2, kv_heads]`` given, or None (no format)."""
+        if self.kv_cache_scale not in SCALE_GRANULARITIES:
+            raise ValueError(f"kv_cache_scale must be one of {', '.join(SCALE_GRANULARITIES)}, "
+                             f"got {self.kv_cache_scale!r}")
+        if self.format is None:
+            return None
+        if self.kv_cache_scale == "per_token_head":
+            if static_scales is not None:
+                raise ValueError("static_scales are for kv_cache_scale='per_head' or 'per_tensor'")
+            return (_lazy_zeros(shape, torch.float32) if cpu
+                    else torch.zeros(shape, dtype=torch.float32, device=device))
+        want = (self.num_layers, 2, self.num_kv_heads)
+        if static_scales is None or tuple(static_scales.shape) != want:
+            raise ValueError(f"kv_cache_scale={self.kv_cache_scale!r} needs static_scales of shape {want} "
+                             "(calibrate them: minibatch_engine.kv.quant_accuracy.calibrate_kv_scales)")
+        return static_scales.to(device=device, dtype=torch.float32).contiguous()
+
+    @property
+    def quantized(self) -> bool:
+        return self.format is not None
+
     def layer(self, i: int):
-        """(k_slots, v_slots) of layer ``i``, each ``[num_slots, kv_heads, head_dim]``."""
+        """(k_slots, v_slots) of layer ``i``, each ``[num_slots, kv_heads, head_dim]``;
+        for a quantized pool each is a :class:`~.quant.QuantizedSlots` (bytes and scales)."""
         flat = self.kv[i].view(2, -1, self.num_kv_heads, self.head_dim)
-        return flat[0], flat[1]
+        if self.format is None:
+            return flat[0], flat[1]
+        scales = self.scales[i]
+        if self.kv_cache_scale == "per_token_head":
+            scales = scales.view(2, -1, self.num_kv_heads)
+        return QuantizedSlots(flat[0], scales[0], self.format), QuantizedSlots(flat[1], scales[1], self.format)
+
+    def block_tensors(self) -> list[torch.Tensor]:
+        """The tensors indexed by block in dim 2 that a block copy or swap moves:
+        the K/V bytes, and per-(token, head) scales when there are any."""
+        per_token_scales = self.scales is not None and self.kv_cache_scale == "per_token_head"
+        return [self.kv, self.scales] if per_token_scales else [self.kv]
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
-        """Copy blocks ``src[i]`` into ``dst[i]``, every layer, K and V."""
+        """Copy blocks ``src[i]`` into ``dst[i]``, every layer, K and V (and their scales)."""
         if src:
             dev = self.kv.device
-            self.kv[:, :, torch.tensor(dst, device=dev)] = self.kv[:, :, torch.tensor(src, device=dev)]
+            s, d = torch.tensor(src, device=dev), torch.tensor(dst, device=dev)
+            for t in self.block_tensors():
+                t[:, :, d] = t[:, :, s]
 
     @property
     def bytes_per_token(self) -> int:
-        """2 x layers x kv_heads x head_dim x bytes per element."""
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv.element_size()
+        """2 x layers x kv_heads x (head_dim x bytes per element, plus 4 bytes of
+        scale per head when each token has its own)."""
+        per_head = self.head_dim * self.kv.element_size()
+        if self.scales is not None and self.kv_cache_scale == "per_token_head":
+            per_head += self.scales.element_size()
+        return 2 * self.num_layers * self.num_kv_heads * per_head
 
     @property
     def bytes_per_block(self) -> int:

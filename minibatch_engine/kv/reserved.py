@@ -23,13 +23,14 @@ class ReservedKVCache(KVCacheManager):
 
     watermark_blocks = 0
 
-    def __init__(self, model_config, num_rows: int, max_model_len: int, dtype: torch.dtype = torch.float32):
+    def __init__(self, model_config, num_rows: int, max_model_len: int, dtype: torch.dtype = torch.float32,
+                 kv_cache_dtype: str = "auto"):
         if not isinstance(num_rows, int) or num_rows <= 0:
             raise ValueError(f"num_rows must be a positive integer, got {num_rows!r}")
         if not isinstance(max_model_len, int) or max_model_len <= 0:
             raise ValueError(f"max_model_len must be a positive integer, got {max_model_len!r}")
         self.max_model_len = max_model_len
-        super().__init__(model_config, num_rows, max_model_len, dtype)
+        super().__init__(model_config, num_rows, max_model_len, dtype, kv_cache_dtype)
         self.free_rows: list[int] = list(range(num_rows))
         self.row_of: dict[str, int] = {}         # request_id -> row
         self.num_tokens: dict[str, int] = {}     # request_id -> tokens with K/V

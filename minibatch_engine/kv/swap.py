@@ -89,19 +89,22 @@ class HostKVPool:
     the device pool (the runner's)."""
 
     def __init__(self, model_config, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 device_type: str = "cpu"):
+                 device_type: str = "cpu", kv_cache_dtype: str = "auto"):
         self.num_blocks, self.block_size = num_blocks, block_size
         self.pool = self.host = self.stream = None
         if device_type == "cuda":
-            mc = model_config
-            # [host block, layer, K/V, token, kv head, head dim]: one contiguous run per block
-            self.host = torch.empty(max(num_blocks, 1), mc.num_layers, 2, block_size, mc.num_kv_heads,
-                                    mc.head_dim, dtype=dtype, pin_memory=True)
+            # like the device pool (same dtype, scales and all), one host block contiguous
+            like = KVPool(model_config.num_layers, 1, block_size, model_config.num_kv_heads,
+                          model_config.head_dim, dtype, "meta", kv_cache_dtype)
+            # [host block, layer, K/V, token, kv head(, head dim)] per tensor a block holds
+            self.host_tensors = [torch.empty((max(num_blocks, 1),) + t.shape[:2] + t.shape[3:], dtype=t.dtype,
+                                             pin_memory=True) for t in like.block_tensors()]
+            self.host = self.host_tensors[0]       # the K/V bytes (then the scales, if per token)
             self.stream = torch.cuda.Stream()
             self.last_copy: torch.cuda.Event | None = None
         else:
             self.pool = KVPool(model_config.num_layers, max(num_blocks, 1), block_size,
-                               model_config.num_kv_heads, model_config.head_dim, dtype, "cpu")
+                               model_config.num_kv_heads, model_config.head_dim, dtype, "cpu", kv_cache_dtype)
 
     def swap_out(self, gpu_pool: KVPool, gpu_blocks: list[int], host: list[int]) -> None:
         """Copy ``gpu_blocks`` into the host blocks ``host``."""
@@ -112,7 +115,8 @@ class HostKVPool:
         else:
             src = torch.tensor(gpu_blocks, device=gpu_pool.kv.device)
             dst = torch.tensor(host, device=self.pool.kv.device)
-            self.pool.kv[:, :, dst] = gpu_pool.kv[:, :, src].to(self.pool.kv.device)
+            for mine, theirs in zip(self.pool.block_tensors(), gpu_pool.block_tensors(), strict=True):
+                mine[:, :, dst] = theirs[:, :, src].to(mine.device)
 
     def swap_in(self, gpu_pool: KVPool, host: list[int], gpu_blocks: list[int]) -> None:
         """Copy the host blocks ``host`` back into ``gpu_blocks``."""
@@ -125,7 +129,8 @@ class HostKVPool:
         else:
             src = torch.tensor(host, device=self.pool.kv.device)
             dst = torch.tensor(gpu_blocks, device=gpu_pool.kv.device)
-            gpu_pool.kv[:, :, dst] = self.pool.kv[:, :, src].to(gpu_pool.kv.device)
+            for mine, theirs in zip(self.pool.block_tensors(), gpu_pool.block_tensors(), strict=True):
+                theirs[:, :, dst] = mine[:, :, src].to(theirs.device)
 
     # --- the CUDA path: pinned memory, a side stream, events ------------------------
     def _async_out(self, gpu_pool: KVPool, gpu_blocks: list[int], host: list[int]) -> None:
@@ -133,10 +138,11 @@ class HostKVPool:
         self.stream.wait_stream(compute)            # the K/V to copy has been written
         with torch.cuda.stream(self.stream):
             src = torch.tensor(gpu_blocks, device=gpu_pool.kv.device)
-            # [layers, 2, n, bs, h, d] -> [n, layers, 2, bs, h, d]: each block contiguous
-            staged = gpu_pool.kv.index_select(2, src).permute(2, 0, 1, 3, 4, 5).contiguous()
-            for i, h in enumerate(host):
-                self.host[h].copy_(staged[i], non_blocking=True)
+            for host_t, t in zip(self.host_tensors, gpu_pool.block_tensors(), strict=True):
+                # [layers, 2, n, ...] -> [n, layers, 2, ...]: each block contiguous
+                staged = t.index_select(2, src).movedim(2, 0).contiguous()
+                for i, h in enumerate(host):
+                    host_t[h].copy_(staged[i], non_blocking=True)
         self._fence(compute)
 
     def _async_in(self, gpu_pool: KVPool, gpu_blocks: list[int], host: list[int]) -> None:
@@ -144,11 +150,13 @@ class HostKVPool:
         self.stream.wait_stream(compute)            # earlier steps are done with these blocks
         with torch.cuda.stream(self.stream):
             dev = gpu_pool.kv.device
-            staged = torch.empty((len(host),) + tuple(self.host.shape[1:]), dtype=self.host.dtype, device=dev)
-            for i, h in enumerate(host):
-                staged[i].copy_(self.host[h], non_blocking=True)
             dst = torch.tensor(gpu_blocks, device=dev)
-            gpu_pool.kv.index_copy_(2, dst, staged.permute(1, 2, 0, 3, 4, 5))
+            for host_t, t in zip(self.host_tensors, gpu_pool.block_tensors(), strict=True):
+                staged = torch.empty((len(host),) + tuple(host_t.shape[1:]), dtype=host_t.dtype, device=dev)
+                for i, h in enumerate(host):
+                    staged[i].copy_(host_t[h], non_blocking=True)
+                # index_copy_ has no float8 kernel: copy the bytes
+                t.view(torch.uint8).index_copy_(2, dst, staged.movedim(0, 2).view(torch.uint8))
         self._fence(compute)
 
     def _fence(self, compute) -> None:

@@ -41,6 +41,7 @@ def build_app(llm: AsyncLLM, model_name: str, max_waiting: int = 1024, chat_temp
     loop stops."""
     if metrics is None:
         metrics = PrometheusStatLogger(model_name)
+    metrics.set_cache_config(llm.engine)
     llm.stat_loggers.append(metrics)
     app = web.Application(middlewares=[_errors])
     app[LLM_KEY] = llm

@@ -8,6 +8,10 @@ here is ``minibatch:num_requests_running``), each labelled ``model_name``.
 * counters, totals since start (Prometheus adds ``_total``):
   ``num_preemptions``, ``prompt_tokens``, ``generation_tokens``,
   ``request_success`` (by ``finished_reason``);
+* ``cache_config_info``: vLLM's info metric, value 1, whose labels are the
+  KV cache's configuration: ``block_size``, ``cache_dtype`` (``kv_cache_dtype``),
+  ``num_gpu_blocks`` (the pool's blocks, on whatever device), ``kv_bytes_per_token``
+  and ``kv_layout``; a quantized cache shows its larger block count here;
 * histograms, one observation per request or per token (seconds, vLLM's
   buckets): ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
   ``e2e_request_latency_seconds``, ``request_queue_time_seconds``.
@@ -60,6 +64,15 @@ class PrometheusStatLogger:
                         buckets=REQUEST_BUCKETS)
         self.queue = make(Histogram, "request_queue_time_seconds", "Submission to first scheduled step.",
                           buckets=REQUEST_BUCKETS)
+
+    def set_cache_config(self, engine) -> None:
+        """``cache_config_info`` from the engine's KV cache (set once, at start)."""
+        kv, cfg = engine.kv_cache, engine.config
+        labels = {"block_size": kv.block_size, "cache_dtype": cfg.kv_cache_dtype, "num_gpu_blocks": kv.num_blocks,
+                  "kv_bytes_per_token": kv.bytes_per_token, "kv_layout": cfg.kv_layout}
+        info = Gauge(PREFIX + "cache_config_info", "The KV cache's configuration (labels); value 1.",
+                     ["model_name", *labels], registry=self.registry)
+        info.labels(self.model_name, *map(str, labels.values())).set(1)
 
     def set_gauges(self, s: SchedulerStats) -> None:
         m = self.model_name

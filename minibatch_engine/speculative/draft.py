@@ -32,14 +32,16 @@ from .proposer import Proposer
 
 class DraftModelProposer(Proposer):
     def __init__(self, draft_model, num_speculative_tokens: int, num_blocks: int, block_size: int = 16,
-                 attention_backend: str = "auto"):
+                 attention_backend: str = "auto", kv_cache_dtype: str = "auto"):
         super().__init__(num_speculative_tokens)
         self.model = draft_model
         self.device = draft_model.device
         # no prefix sharing and no forks: a block is never shared, so nothing is ever copied
+        # the draft's cache is stored like the target's (kv_cache_dtype)
         self.kv_cache = PagedKVCache(draft_model.config, num_blocks, block_size, draft_model.dtype,
-                                     enable_prefix_caching=False, watermark=0.0)
-        self.kv_pool = KVPool.for_cache(self.kv_cache, draft_model.config, draft_model.dtype, self.device)
+                                     enable_prefix_caching=False, watermark=0.0, kv_cache_dtype=kv_cache_dtype)
+        self.kv_pool = KVPool.for_cache(self.kv_cache, draft_model.config, draft_model.dtype, self.device,
+                                        kv_cache_dtype)
         self.attention = get_attention_backend(attention_backend, self.device)
         # request id -> (tokens fed before the last call's guesses, the guesses fed after them)
         self.fed: dict[str, tuple[int, list[int]]] = {}

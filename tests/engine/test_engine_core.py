@@ -296,9 +296,9 @@ class OracleProposer(Proposer):
     a random place half of the time, so that steps verify full, partial and
     empty acceptances (the n-gram proposer rarely proposes on short runs)."""
 
-    def __init__(self, k, model, rng):
+    def __init__(self, k, model, rng, kv_cache_dtype="auto"):
         super().__init__(k)
-        self.model, self.rng, self.refs = model, rng, {}
+        self.model, self.rng, self.refs, self.kv = model, rng, {}, kv_cache_dtype
 
     def propose(self, seqs):
         out = {}
@@ -308,7 +308,7 @@ class OracleProposer(Proposer):
                 continue
             key = tuple(s.token_ids[:s.num_prompt_tokens])
             if key not in self.refs:
-                self.refs[key] = reference_generate(self.model, list(key), 16)
+                self.refs[key] = reference_generate(self.model, list(key), 16, self.kv)
             done = s.num_tokens - s.num_prompt_tokens
             guess = (self.refs[key][done:done + k] + [0] * k)[:k]
             if self.rng.random() < 0.5:
@@ -321,12 +321,14 @@ class OracleProposer(Proposer):
 @given(data=st.data(), block_size=st.sampled_from([1, 2, 4, 16]), extra_blocks=st.integers(0, 8),
        chunked=st.booleans(), budget=st.sampled_from([None, 4, 8, 64]),
        mode=st.sampled_from(["recompute", "swap"]), prefix=st.booleans(), B=st.integers(1, 4),
-       k=st.sampled_from([0, 0, 1, 2, 3]), policy=st.sampled_from(["fcfs", "priority"]))
+       k=st.sampled_from([0, 0, 1, 2, 3]), policy=st.sampled_from(["fcfs", "priority"]),
+       kv=st.sampled_from(["auto", "auto", "fp8", "int8"]))
 def test_every_knob_together_matches_the_lone_recompute(tiny64, data, block_size, extra_blocks, chunked,
-                                                        budget, mode, prefix, B, k, policy):
+                                                        budget, mode, prefix, B, k, policy, kv):
     """Mid-run arrivals, aborts, n > 1 forks, speculative verification (k > 0),
-    preemption by recompute or swap, priorities: every sample's greedy tokens are
-    the lone recompute's, no step runs more than max_num_seqs sequences, and all
+    preemption by recompute or swap, priorities, a quantized KV cache (fp8, int8):
+    every sample's greedy tokens are the lone recompute's (through the same
+    quantized cache), no step runs more than max_num_seqs sequences, and all
     memory comes back."""
     max_model_len = 40
     if budget is not None:
@@ -336,9 +338,9 @@ def test_every_knob_together_matches_the_lone_recompute(tiny64, data, block_size
                     num_kv_blocks=blocks, watermark=0.0, enable_chunked_prefill=chunked,
                     max_num_batched_tokens=budget, preemption_mode=mode, enable_prefix_caching=prefix,
                     swap_space_bytes=data.draw(st.integers(0, 12)) * block_size * 4096 * 2, policy=policy,
-                    speculative=SpeculativeConfig("ngram", k) if k else None)
+                    speculative=SpeculativeConfig("ngram", k) if k else None, kv_cache_dtype=kv)
     if k:
-        engine.runner.proposer = OracleProposer(k, tiny64, random.Random(data.draw(st.integers(0, 2**16))))
+        engine.runner.proposer = OracleProposer(k, tiny64, random.Random(data.draw(st.integers(0, 2**16))), kv)
     shared = [7, 7, 1, 2, 3, 4, 5, 6]           # a common prefix makes prefix hits likely
     specs = data.draw(st.lists(st.tuples(st.integers(0, 12), st.integers(1, 12), st.integers(1, 3),
                                          st.integers(0, 6), st.integers(0, 2)), min_size=1, max_size=6))
@@ -369,7 +371,7 @@ def test_every_knob_together_matches_the_lone_recompute(tiny64, data, block_size
         for sample in engine.samples_of(r.request_id):
             if sample.finish_reason != "abort":
                 prompt, g = prompts[r.request_id]
-                assert sample.output_token_ids == reference_generate(tiny64, prompt, g)
+                assert sample.output_token_ids == reference_generate(tiny64, prompt, g, kv)
     assert_all_memory_back(engine)
 
 

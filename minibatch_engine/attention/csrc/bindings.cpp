@@ -6,6 +6,10 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
                            const at::Tensor& slot_mapping, const at::Tensor& block_tables,
                            const at::Tensor& seq_lens, const at::Tensor& query_start, int64_t block_size,
                            bool use_simd);
+at::Tensor paged_attention_quantized(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                     const at::Tensor& k_scale, const at::Tensor& v_scale,
+                                     const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                     const at::Tensor& query_start, int64_t block_size);
 bool simd_path(at::ScalarType dtype, int64_t head_dim);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
@@ -13,6 +17,8 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over a ragged batch (paged_attention_cpu.cpp)");
+  m.def("paged_attention_quantized", &paged_attention_quantized,
+        "paged attention over an fp8/int8 cache, dequantized as read (paged_attention_cpu.cpp)");
   m.def("simd_path", &simd_path, "whether a cache of this dtype and head size takes the SIMD passes");
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (cpu_ops.cpp)");
   m.def("rope", &rope, "rotary embedding, half-rotation layout (cpu_ops.cpp)");

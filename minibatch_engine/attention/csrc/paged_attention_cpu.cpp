@@ -26,6 +26,14 @@
 // registers. Every index the kernel follows (slots, block-table entries,
 // sequence lengths) is checked against the pool before any work starts.
 //
+// A quantized cache (kv_cache_dtype fp8 or int8, paged_attention_quantized) holds
+// one byte per value and a float32 scale per (slot, KV head): the Python side has
+// already written the step's K/V into it, and the kernel dequantizes as it reads.
+// A scale multiplies a whole head's row, so it comes out of the dot product
+// (q . (s k) = s (q . k)) and into the softmax weight of the V row (w (s v) =
+// (w s) v): each K or V row is decoded once into float (a 256-entry table for
+// float8 e4m3, a cast for int8) and scaled once per head, not once per value.
+//
 // Compiled with -ffast-math (compile step only: the library does not link the
 // runtime that would flush denormals for the whole process) so that exp() is
 // vectorised; the code never relies on infinities (the running max starts at the
@@ -35,6 +43,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -100,16 +109,85 @@ inline void weighted_sum_plain(acc_t* acc, const acc_t* score, const scalar_t* v
   }
 }
 
-template <typename scalar_t, int64_t DC>
+// Quantized caches: the stored byte types (int8 as itself, float8 e4m3 as its bits).
+// float8 e4m3 ("fn": no infinities): 1 sign, 4 exponent (bias 7), 3 mantissa bits;
+// 0x7f / 0xff are NaN; exponent 0 is subnormal (m / 8 x 2^-6).
+struct Fp8E4M3 { uint8_t bits; };
+template <typename T> struct Tag { using type = T; };
+
+inline const std::array<float, 256>& fp8_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int b = 0; b < 256; ++b) {
+      const int e = (b >> 3) & 15, m = b & 7;
+      float x = e == 0 ? std::ldexp(m / 8.0f, -6) : std::ldexp(1.0f + m / 8.0f, e - 7);
+      if (e == 15 && m == 7) x = std::numeric_limits<float>::quiet_NaN();
+      t[b] = (b & 0x80) ? -x : x;
+    }
+    return t;
+  }();
+  return table;
+}
+
+template <typename acc_t, typename cache_t>
+inline void decode_row(acc_t* dst, const cache_t* src, int64_t n) {
+  if constexpr (std::is_same_v<cache_t, Fp8E4M3>) {
+    const float* t = fp8_table().data();
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<acc_t>(t[src[i].bits]);
+  } else {
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<acc_t>(src[i]);
+  }
+}
+
+// Scales of a quantized cache: [num_slots, Hkv] float32, slot stride Hkv (per token
+// and head) or 0 (static per head).
+struct Scales {
+  const float* k = nullptr;
+  const float* v = nullptr;
+  int64_t k_slot = 0, v_slot = 0;
+};
+
+// A tile's scores over a quantized cache: each K row (all KV heads) decoded once into
+// row_buf, each head's dot product scaled by its slot's scale.
+template <int64_t DC, typename acc_t, typename cache_t>
+inline void scores_quant(acc_t* score, const acc_t* q, const cache_t* k, int64_t k_row, const Scales& sc,
+                         const int64_t* slot, int64_t n, int64_t Hq, int64_t G, int64_t D, acc_t* row_buf) {
+  for (int64_t j = 0; j < n; ++j) {
+    decode_row(row_buf, k + slot[j] * k_row, k_row);
+    const float* s = sc.k + slot[j] * sc.k_slot;
+    for (int64_t h = 0; h < Hq; ++h)
+      score[h * TILE + j] = dot<DC>(&q[h * D], row_buf + (h / G) * D, D) * static_cast<acc_t>(s[h / G]);
+  }
+}
+
+// A tile's weighted sum over a quantized cache: V rows decoded once, the scale folded
+// into each head's softmax weight.
+template <typename acc_t, typename cache_t>
+inline void weighted_sum_quant(acc_t* acc, const acc_t* score, const cache_t* v, int64_t v_row, const Scales& sc,
+                               const int64_t* slot, int64_t n, int64_t Hq, int64_t G, int64_t D, acc_t* row_buf) {
+  for (int64_t j = 0; j < n; ++j) {
+    decode_row(row_buf, v + slot[j] * v_row, v_row);
+    const float* s = sc.v + slot[j] * sc.v_slot;
+    for (int64_t h = 0; h < Hq; ++h) {
+      const acc_t w = score[h * TILE + j] * static_cast<acc_t>(s[h / G]);
+      const acc_t* vr = row_buf + (h / G) * D;
+      acc_t* a = &acc[h * D];
+      for (int64_t d = 0; d < D; ++d) a[d] += w * vr[d];
+    }
+  }
+}
+
+template <typename scalar_t, typename cache_t, int64_t DC>
 void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& k_cache,
             const at::Tensor& v_cache, const at::Tensor& slot_mapping, at::Tensor& out,
             const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start,
-            int64_t block_size, bool use_simd) {
+            int64_t block_size, bool use_simd, const Scales& quant = Scales{}) {
   using acc_t = at::opmath_type<scalar_t>;
+  constexpr bool quantized = !std::is_same_v<cache_t, scalar_t>;   // then always paged, already written
   // the explicit-SIMD passes where the cache holds the accumulation type (float32, float64)
   // or bfloat16 (read as float32); use_simd=false runs the plain loops instead (chapter 10
   // measures the difference)
-  constexpr bool simd_ok = simd_dtype<scalar_t>() && DC > 0 && DC % Simd<acc_t>::width == 0;
+  constexpr bool simd_ok = !quantized && simd_dtype<scalar_t>() && DC > 0 && DC % Simd<acc_t>::width == 0;
   const bool simd = simd_ok && use_simd;
   constexpr int64_t NH = Simd<acc_t>::template heads_per_pass<DC>;
   const bool paged = k_cache.numel() > 0;
@@ -119,7 +197,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   const int64_t q_stride = q.stride(0), k_stride = k.stride(0), v_stride = v.stride(0);
   const scalar_t* qp = q.data_ptr<scalar_t>();
   scalar_t* op = out.data_ptr<scalar_t>();
-  if (paged) {   // write the step's new K/V into their slots first (reshape_and_cache)
+  if constexpr (!quantized) if (paged) {   // write the step's new K/V into their slots first (reshape_and_cache)
     const int64_t* sm = slot_mapping.data_ptr<int64_t>();
     scalar_t* kc = k_cache.data_ptr<scalar_t>();
     scalar_t* vc = v_cache.data_ptr<scalar_t>();
@@ -133,8 +211,15 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
     });
   }
   // keys are read from the pool through the block table, or from the step's own rows
-  const scalar_t* kp = paged ? k_cache.data_ptr<scalar_t>() : k.data_ptr<scalar_t>();
-  const scalar_t* vp = paged ? v_cache.data_ptr<scalar_t>() : v.data_ptr<scalar_t>();
+  const cache_t* kp;
+  const cache_t* vp;
+  if constexpr (quantized) {
+    kp = static_cast<const cache_t*>(k_cache.data_ptr());
+    vp = static_cast<const cache_t*>(v_cache.data_ptr());
+  } else {
+    kp = paged ? k_cache.data_ptr<scalar_t>() : k.data_ptr<scalar_t>();
+    vp = paged ? v_cache.data_ptr<scalar_t>() : v.data_ptr<scalar_t>();
+  }
   const int64_t k_row = paged ? row : k_stride, v_row = paged ? row : v_stride;
   const int64_t* sl = seq_lens.data_ptr<int64_t>();
   const int64_t* qs = query_start.data_ptr<int64_t>();
@@ -167,17 +252,25 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
     std::vector<acc_t> qf(Hq * D), acc(Hq * D), m(Hq), l(Hq), score(Hq * TILE);
     std::vector<int64_t> slot(TILE), next_slot(TILE);
+    std::vector<acc_t> row_buf(quantized ? row : 0);   // one decoded K or V row (all KV heads)
     // a tile's two inner loops: the explicit-SIMD passes where they apply, else the plain loops
     auto scores = [&](int64_t n) {
+      if constexpr (quantized) {
+        return scores_quant<DC>(score.data(), qf.data(), kp, k_row, quant, slot.data(), n, Hq, G, D, row_buf.data());
+      }
       if constexpr (simd_ok) {
         if (simd)
           return in_passes<NH>(Hq, [&](auto nh, int64_t h0) {
             scores_pass<DC, decltype(nh)::value>(score.data(), TILE, qf.data(), kp, k_row, slot.data(), n, h0, G);
           });
       }
-      scores_plain<DC>(score.data(), qf.data(), kp, k_row, slot.data(), n, Hq, G, D);
+      if constexpr (!quantized) scores_plain<DC>(score.data(), qf.data(), kp, k_row, slot.data(), n, Hq, G, D);
     };
     auto weighted_sum = [&](int64_t n) {
+      if constexpr (quantized) {
+        return weighted_sum_quant(acc.data(), score.data(), vp, v_row, quant, slot.data(), n, Hq, G, D,
+                                  row_buf.data());
+      }
       if constexpr (simd_ok) {
         if (simd)
           return in_passes<NH>(Hq, [&](auto nh, int64_t h0) {
@@ -185,7 +278,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
                                                        h0, G);
           });
       }
-      weighted_sum_plain(acc.data(), score.data(), vp, v_row, slot.data(), n, Hq, G, D);
+      if constexpr (!quantized) weighted_sum_plain(acc.data(), score.data(), vp, v_row, slot.data(), n, Hq, G, D);
     };
     for (int64_t c = chunk_begin; c < chunk_end; ++c)
     for (int64_t t = c; t < T; t += chunks) {
@@ -262,7 +355,7 @@ void check_indices(int64_t T, int64_t num_slots, const at::Tensor& slot_mapping,
               block_size);
   const int64_t num_blocks = num_slots / block_size, width = block_tables.size(1);
   const int64_t* sm = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t)
+  for (int64_t t = 0; t < slot_mapping.numel(); ++t)   // none when the cache was written before
     TORCH_CHECK(sm[t] >= 0 && sm[t] < num_slots, "paged_attention: slot ", sm[t], " of token ", t,
                 " is outside the pool's ", num_slots, " slots");
   const int64_t* bt = block_tables.data_ptr<int64_t>();
@@ -318,8 +411,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k, const at::T
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention", [&] {
     // the common head sizes get their own compiled loops (fully unrolled over D)
     auto run = [&](auto dc) {
-      attend<scalar_t, decltype(dc)::value>(q, k, v, k_cache, v_cache, slot_mapping, out, block_tables, seq_lens,
-                                            query_start, block_size, use_simd);
+      attend<scalar_t, scalar_t, decltype(dc)::value>(q, k, v, k_cache, v_cache, slot_mapping, out, block_tables,
+                                                      seq_lens, query_start, block_size, use_simd);
     };
     switch (q.size(2)) {
       case 32: run(std::integral_constant<int64_t, 32>{}); break;
@@ -343,4 +436,62 @@ bool simd_path(at::ScalarType dtype, int64_t head_dim) {
     yes = simd_dtype<scalar_t>() && sized && head_dim % Simd<acc_t>::width == 0;
   });
   return yes;
+}
+
+// The kernel over a quantized cache (kv_cache_dtype fp8 or int8), already written:
+// q: [T, Hq, D] (float32, float64, bfloat16 or float16); k_cache, v_cache: [num_slots,
+// Hkv, D] of int8 or float8_e4m3fn, contiguous; k_scale, v_scale: [num_slots, Hkv]
+// float32 with unit head stride and a slot stride of Hkv (a scale per token and head)
+// or 0 (static scales); block_tables, seq_lens, query_start as for paged_attention.
+// Returns [T, Hq, D] in q's dtype.
+at::Tensor paged_attention_quantized(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                     const at::Tensor& k_scale, const at::Tensor& v_scale,
+                                     const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                     const at::Tensor& query_start, int64_t block_size) {
+  for (const auto* t : {&q, &k_cache, &v_cache, &k_scale, &v_scale, &block_tables, &seq_lens, &query_start})
+    TORCH_CHECK(t->device().is_cpu(), "paged_attention_quantized: CPU tensors only");
+  const auto ct = k_cache.scalar_type();
+  TORCH_CHECK(ct == at::kChar || ct == at::kFloat8_e4m3fn, "paged_attention_quantized: the cache must be int8 or "
+              "float8_e4m3fn, got ", ct);
+  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1 && (q.size(1) == 1 || q.stride(1) == q.size(2)),
+              "paged_attention_quantized: q must be [T, Hq, D] with each token's heads contiguous");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.dim() == 3 &&
+                  v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == ct && k_cache.size(2) == q.size(2) &&
+                  q.size(1) % k_cache.size(1) == 0,
+              "paged_attention_quantized: caches must be contiguous [num_slots, Hkv, D] of one dtype, Hq a multiple "
+              "of Hkv");
+  const int64_t num_slots = k_cache.size(0), Hkv = k_cache.size(1);
+  for (const auto* s : {&k_scale, &v_scale})
+    TORCH_CHECK(s->scalar_type() == at::kFloat && s->dim() == 2 && s->size(0) == num_slots && s->size(1) == Hkv &&
+                    s->stride(1) == 1 && (s->stride(0) == Hkv || s->stride(0) == 0),
+                "paged_attention_quantized: scales must be float32 [num_slots, Hkv], slot stride Hkv or 0");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && query_start.scalar_type() == at::kLong &&
+                  seq_lens.is_contiguous() && query_start.is_contiguous() && query_start.size(0) == seq_lens.size(0) + 1,
+              "paged_attention_quantized: seq_lens [S] and query_start [S + 1] must be contiguous int64");
+  TORCH_CHECK(block_size > 0 && block_tables.scalar_type() == at::kLong && block_tables.is_contiguous() &&
+                  block_tables.dim() == 2 && block_tables.size(0) == seq_lens.size(0),
+              "paged_attention_quantized: block tables must be contiguous int64 [S, max_blocks], block_size > 0");
+  // no slots to write (done already): an empty slot mapping, checked as zero tokens would be
+  const auto no_slots = at::empty({0}, seq_lens.options());
+  check_indices(q.size(0), num_slots, no_slots, block_tables, seq_lens, query_start, block_size, true);
+  Scales sc{k_scale.data_ptr<float>(), v_scale.data_ptr<float>(), k_scale.stride(0), v_scale.stride(0)};
+  auto out = at::empty(q.sizes(), q.options());
+  const auto k_shape = at::empty({q.size(0), Hkv, q.size(2)}, q.options());   // attend reads k's sizes only
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_attention_quantized", [&] {
+    auto run = [&](auto cache_tag, auto dc) {
+      using cache_t = typename decltype(cache_tag)::type;
+      attend<scalar_t, cache_t, decltype(dc)::value>(q, k_shape, k_shape, k_cache, v_cache, no_slots, out,
+                                                     block_tables, seq_lens, query_start, block_size, false, sc);
+    };
+    auto by_dim = [&](auto cache_tag) {
+      switch (q.size(2)) {
+        case 64: run(cache_tag, std::integral_constant<int64_t, 64>{}); break;
+        case 128: run(cache_tag, std::integral_constant<int64_t, 128>{}); break;
+        default: run(cache_tag, std::integral_constant<int64_t, 0>{});
+      }
+    };
+    if (ct == at::kChar) by_dim(Tag<int8_t>{});
+    else by_dim(Tag<Fp8E4M3>{});
+  });
+  return out;
 }
