@@ -19,8 +19,8 @@ hold no attention kernel, so those two efficiencies are assumptions
 (:class:`~.calibration.Calibration` says which, and why).
 
 KV cache and weights are priced by their bytes (:mod:`.precision`): an fp8 or
-int8 KV cache (``kv_cache_dtype``) halves the bytes the attention kernel and the
-KV write move; fp8 or int4 projection weights (``weight_dtype``) cut the
+int8 KV cache (``kv_cache_dtype``) about halves the bytes the attention kernel
+and the KV write move (one byte a value, and a scale per token and head); fp8 or int4 projection weights (``weight_dtype``) cut the
 weight bytes each projection reads. No quantized kernel was measured, so both
 run at the bf16 kernels' fitted rates (:mod:`.precision` says what that misses).
 
@@ -39,7 +39,7 @@ from .calibration import Calibration, default_calibration
 from .hardware import GPU
 from .operators import (BYTES, all_reduce_time, check_tensor_parallel, gemm_time, layer_op_time, projection_shape,
                         small_op_bytes, small_op_time)
-from .precision import kv_bytes_per_element, weight_bytes, weight_bytes_per_element
+from .precision import kv_bytes_per_token_head, weight_bytes, weight_bytes_per_element
 from .roofline import RooflineCostModel, StepCost
 
 KERNELS_PER_LAYER = 12     # two norms, QKV, RoPE, KV write, attention, O, two adds, up, activation, down
@@ -67,9 +67,10 @@ class CostModel:
         self.step_overhead_s, self.cuda_graphs, self.async_scheduling = step_overhead_s, cuda_graphs, async_scheduling
         self.cal = calibration or default_calibration()
         self.kv_cache_dtype, self.weight_dtype = kv_cache_dtype, weight_dtype
-        kv_elem, self.weight_elem = kv_bytes_per_element(kv_cache_dtype), weight_bytes_per_element(weight_dtype)
-        self.roofline = RooflineCostModel(gpu, model, kv_bytes_per_element=kv_elem, step_overhead_s=0.0,
-                                          weight_bytes=weight_bytes(model, weight_dtype))
+        kv_head = kv_bytes_per_token_head(model.head_dim, kv_cache_dtype)     # one token, one KV head: K or V
+        self.weight_elem = weight_bytes_per_element(weight_dtype)
+        self.roofline = RooflineCostModel(gpu, model, step_overhead_s=0.0, weight_bytes=weight_bytes(model, weight_dtype),
+                                          kv_bytes_per_token=2 * model.num_layers * model.num_kv_heads * kv_head)
         self.weight_bytes = self.roofline.weight_bytes                     # all GPUs together
         self.kv_bytes_per_token = self.roofline.kv_bytes_per_token         # all layers, all GPUs
         self.linear_params = self.roofline.linear_params                   # parameters in the projections
@@ -78,7 +79,7 @@ class CostModel:
         # KV heads are split across the GPUs, or replicated when there are fewer heads than GPUs
         self.kv_heads_per_gpu = math.ceil(m.num_kv_heads / tp)
         self.kv_replication = tp * self.kv_heads_per_gpu / m.num_kv_heads
-        self.kv_bytes_per_token_layer = 2 * self.kv_heads_per_gpu * m.head_dim * kv_elem   # K and V, one GPU
+        self.kv_bytes_per_token_layer = 2 * self.kv_heads_per_gpu * kv_head   # K and V, one GPU
         self.heads_per_gpu = m.num_heads // tp
         self._projections = [projection_shape(op, m, tp) for op in
                              ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")]

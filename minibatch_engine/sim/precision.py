@@ -6,8 +6,11 @@ bytes shortens a decode step in proportion, and a KV cache in fewer bytes holds
 more tokens in the same memory. The simulator prices both by their bytes alone:
 
 * ``kv_cache_dtype`` (vLLM's knob): ``"auto"`` is bf16, 2 bytes; ``"fp8"``
-  (float8 e4m3, also spelled ``"fp8_e4m3"``) and ``"int8"`` 1 byte. The scales
-  (per tensor in vLLM's fp8 path) are too small to price.
+  (float8 e4m3, also spelled ``"fp8_e4m3"``) and ``"int8"`` 1 byte, plus the
+  float32 scale per token and KV head that the engine's quantized cache stores
+  for K and for V (:mod:`minibatch_engine.kv.quant`): ``head_dim + 4`` bytes per
+  head instead of ``2 x head_dim``, 52% of bf16 at head_dim 128. (vLLM's fp8
+  cache keeps one scale per tensor: 50%.)
 * ``weight_dtype``: the projections' weights (QKV, O, gate/up, down); the
   embedding, the LM head and the norms stay bf16, as AWQ, GPTQ and vLLM's fp8
   checkpoints keep them. ``"auto"`` is bf16 (2 bytes), ``"fp8"`` 1 byte,
@@ -30,6 +33,7 @@ from ..model.config import ModelConfig
 
 ACTIVATION_BYTES = 2                       # bf16 activations, embeddings, LM head, norms
 KV_CACHE_DTYPES: dict[str, int] = {"auto": 2, "fp8": 1, "fp8_e4m3": 1, "int8": 1}
+KV_SCALE_BYTES = 4                         # a float32 scale per token and KV head, for K and for V
 INT4_GROUP_SIZE = 128
 WEIGHT_DTYPES: dict[str, float] = {"auto": 2.0, "fp8": 1.0,
                                    "int4": 0.5 + 2 * ACTIVATION_BYTES / INT4_GROUP_SIZE}
@@ -42,6 +46,13 @@ def kv_bytes_per_element(kv_cache_dtype: str) -> int:
     except (KeyError, TypeError):
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
                          f"got {kv_cache_dtype!r}") from None
+
+
+def kv_bytes_per_token_head(head_dim: int, kv_cache_dtype: str) -> int:
+    """Bytes of one token's K (or V) in one KV head: the elements and, when
+    quantized, their scale (the engine's per-(token, head) scales)."""
+    elem = kv_bytes_per_element(kv_cache_dtype)
+    return head_dim * elem + (KV_SCALE_BYTES if elem < ACTIVATION_BYTES else 0)
 
 
 def weight_bytes_per_element(weight_dtype: str) -> float:

@@ -46,16 +46,26 @@ def test_an_auto_simulation_is_the_default_one():
 
 @pytest.mark.parametrize("dtype", ["fp8", "int8"])
 def test_a_one_byte_kv_cache_halves_the_kv_bytes_a_decode_reads(dtype):
+    """One byte a value instead of two, plus a float32 scale per token and KV
+    head: (128 + 4) / 256 of the bytes at head_dim 128."""
     auto, small = CostModel(H100, L8B), CostModel(H100, L8B, kv_cache_dtype=dtype)
     assert kv_bytes_per_element(dtype) == 1
-    assert small.roofline.kv_bytes_per_token * 2 == auto.roofline.kv_bytes_per_token
-    # the roofline's bytes: the same weights, half the K/V read and written
+    ratio = (L8B.head_dim + 4) / (2 * L8B.head_dim)
+    assert small.roofline.kv_bytes_per_token == auto.roofline.kv_bytes_per_token * ratio
+    # the roofline's bytes: the same weights, the K/V read and written in `ratio` of the bytes
     weights = auto.roofline.weight_bytes
-    assert small.step_cost(DECODES).bytes - weights == (auto.step_cost(DECODES).bytes - weights) / 2
-    # the attention kernel of a memory-bound decode: half the time above its fixed cost
+    assert small.step_cost(DECODES).bytes - weights == (auto.step_cost(DECODES).bytes - weights) * ratio
+    # the attention kernel of a memory-bound decode: `ratio` of the time above its fixed cost
     t0 = auto.cal.t0_s
-    assert small.attention_seconds(DECODES) - t0 == pytest.approx((auto.attention_seconds(DECODES) - t0) / 2)
+    assert small.attention_seconds(DECODES) - t0 == pytest.approx((auto.attention_seconds(DECODES) - t0) * ratio)
     assert small.step_cost(DECODES).seconds < auto.step_cost(DECODES).seconds
+
+
+@pytest.mark.parametrize("dtype", ["auto", "fp8", "int8"])
+def test_the_simulator_prices_the_bytes_its_kv_pool_holds(dtype):
+    eng = Engine(None, sim_gpu="H100-SXM", sim_model="llama-3-8b", kv_cache_dtype=dtype)
+    assert eng.cost_model.kv_cache_dtype == dtype
+    assert eng.kv_cache.bytes_per_token == eng.cost_model.roofline.kv_bytes_per_token
 
 
 def test_weight_dtype_prices_the_projection_bytes():
