@@ -6,6 +6,11 @@ the block table where they lie in the pool, so nothing is gathered, padded or
 bucketed on the host. It is the fastest CPU path measured here (chapter 10;
 ``benchmarks/attention_backends.py``) and what ``"auto"`` picks on a CPU when
 the kernel builds; without a C++ compiler ``"auto"`` falls back to ``"sdpa"``.
+
+A quantized cache (``kv_cache_dtype`` fp8 or int8) is written by the shared
+quantizer first (:func:`~minibatch_engine.kv.quant.write_slots`), then read by
+the kernel's ``paged_attention_quantized``, which dequantizes each K and V row
+as it reads it (plain loops: the explicit-SIMD passes read float caches only).
 """
 from __future__ import annotations
 

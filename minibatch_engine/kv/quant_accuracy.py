@@ -175,8 +175,11 @@ def greedy_agreement(model, prompts: Sequence[Sequence[int]], max_new_tokens: in
 def kv_error_profile(model, token_ids: Sequence[int], calibration_ids: Sequence[int],
                      kv_cache_dtype: str = "int8") -> list[dict]:
     """Per layer, for K and for V: the relative RMS round-trip error under each
-    granularity, and the mean over (token, head) rows of max|x| / RMS(x) (how far
-    the largest value, which sets a per-row scale, stands above the rest)."""
+    granularity; ``peak_to_rms``, the mean over (token, head) rows of max|x| /
+    RMS(x) (how far the largest value, which sets a per-row scale, stands above
+    the rest); and ``channel_peak_to_mean``, each head's loudest channel's RMS over
+    the tokens / its channels' mean RMS, averaged over heads (channel outliers:
+    a few dimensions large in every token, as keys have in large models)."""
     fmt = kv_format(kv_cache_dtype)
     kv = capture_kv(model, token_ids).double()                         # [L, 2, T, H, D]
     static = {g: calibrate_kv_scales(model, calibration_ids, kv_cache_dtype, g) for g in ("per_head", "per_tensor")}
@@ -184,8 +187,10 @@ def kv_error_profile(model, token_ids: Sequence[int], calibration_ids: Sequence[
     for layer in range(kv.shape[0]):
         for j, name in enumerate("KV"):
             x = kv[layer, j]
+            chan = x.pow(2).mean(0).sqrt()                                     # [H, D]
             row = {"layer": layer, "kv": name,
-                   "peak_to_rms": float((x.abs().amax(-1) / x.pow(2).mean(-1).sqrt().clamp_min(1e-30)).mean())}
+                   "peak_to_rms": float((x.abs().amax(-1) / x.pow(2).mean(-1).sqrt().clamp_min(1e-30)).mean()),
+                   "channel_peak_to_mean": float((chan.amax(-1) / chan.mean(-1)).mean())}
             for g in SCALE_GRANULARITIES:
                 scale = None if g == "per_token_head" else static[g][layer, j]
                 stored, s = quantize(x, fmt, scale)

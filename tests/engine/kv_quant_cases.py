@@ -48,3 +48,20 @@ def assert_quantized_matches_reference(backend, case, kv_cache_dtype, static=Fal
 
 def dequantized(c: QuantizedSlots, dtype) -> torch.Tensor:
     return dequantize(c.data, c.slot_scales(), dtype)
+
+
+def every_fp8_code(backend, device="cpu"):
+    """(reference output, ``backend``'s output) over a cache holding each of the 254
+    finite float8 e4m3 codes (subnormals, both zeros, +-448) with scales 1 and 2^-3,
+    read by two decodes (one over all 127 slots, one over 60)."""
+    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    data = codes.view(torch.float8_e4m3fn).view(-1, 1, 2).repeat(1, 1, 8)     # 127 slots, 1 head, D 16
+    scale = torch.where(torch.arange(127) % 2 == 0, 1.0, 0.125)[:, None].float()
+    q = torch.randn(2, 1, 16, generator=torch.Generator().manual_seed(0), dtype=torch.float64) * 0.01
+    outs = []
+    for b, dev in ((get_attention_backend("reference"), "cpu"), (backend, device)):
+        k, v = (QuantizedSlots(data.clone().to(dev), scale.clone().to(dev), kv_format("fp8")) for _ in "kv")
+        meta = b.build_metadata([1, 1], [127, 60], [list(range(127)), list(range(60))], 1, dev)
+        new = torch.zeros(2, 1, 16, dtype=torch.float64, device=dev)   # unused: the cache holds every key
+        outs.append(b.attend(q.to(dev), new, new, meta, k, v).cpu())
+    return outs

@@ -14,7 +14,7 @@ from minibatch_engine.model.reference import full_forward_logits
 
 from ..conftest import assert_all_memory_back
 from .attention_cases import random_batch
-from .kv_quant_cases import assert_quantized_matches_reference, dequantized, quantized_cache, run_quantized
+from .kv_quant_cases import assert_quantized_matches_reference, dequantized, every_fp8_code, run_quantized
 
 QUANT = ["fp8", "int8"]
 
@@ -93,6 +93,14 @@ def test_backends_equal_the_reference_over_a_quantized_cache(name, kv, dtype):
             case = random_batch(gen, kind, block_size, h, hkv, d, dtype, num_seqs=4, max_len=40)
             assert_quantized_matches_reference(backend, case, kv)
             assert_quantized_matches_reference(backend, case, kv, static=True)
+
+
+@pytest.mark.parametrize("name", [b for b in BACKENDS if b != "reference"])
+def test_every_fp8_code_is_decoded_as_torch_decodes_it(name):
+    """A cache holding each of the 254 finite float8 e4m3 codes (subnormals, zeros of
+    both signs, 448), scales 1 and 2^-3: the backend's output equals the reference's."""
+    ref, out = every_fp8_code(get_attention_backend(name))
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize("kv", QUANT)
@@ -297,6 +305,7 @@ def test_accuracy_measures_are_exact_for_auto_and_follow_the_engine(tiny64):
     assert agree.token_agreement == 1.0 and agree.identical_runs == 1 and agree.mean_first_divergence == 6
     prof = qa.kv_error_profile(tiny64, ids, calib)
     assert len(prof) == 8 and all(0 < r["per_token_head"] < 0.02 and r["peak_to_rms"] > 1 for r in prof)
+    assert all(r["channel_peak_to_mean"] >= 1 for r in prof)
 
 
 def test_under_load_a_quantized_cache_holds_more_and_preempts_less():

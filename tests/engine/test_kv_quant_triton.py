@@ -17,7 +17,7 @@ from minibatch_engine.attention.triton_backend import TritonBackend  # noqa: E40
 from minibatch_engine.attention.triton_kernel import paged_attention_kernel  # noqa: E402
 
 from .attention_cases import random_batch  # noqa: E402
-from .kv_quant_cases import assert_quantized_matches_reference  # noqa: E402
+from .kv_quant_cases import assert_quantized_matches_reference, every_fp8_code  # noqa: E402
 
 DEVICE = "cuda" if ON_CUDA else "cpu"
 pytestmark = pytest.mark.triton
@@ -50,3 +50,8 @@ def test_triton_in_the_engine_gives_the_quantized_lone_recompute(tiny64, kv):
     engine.run()
     for r, p in zip(reqs, prompts):
         assert engine.samples_of(r.request_id)[0].output_token_ids == reference_generate(model, p, 5, kv)
+
+
+def test_triton_decodes_every_fp8_code():
+    ref, out = every_fp8_code(TritonBackend(DEVICE, block_m=16, block_n=16), DEVICE)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)

@@ -31,7 +31,7 @@
 // already written the step's K/V into it, and the kernel dequantizes as it reads.
 // A scale multiplies a whole head's row, so it comes out of the dot product
 // (q . (s k) = s (q . k)) and into the softmax weight of the V row (w (s v) =
-// (w s) v): each K or V row is decoded once into float (a 256-entry table for
+// (w s) v): each K or V row is decoded once into float (integer arithmetic for
 // float8 e4m3, a cast for int8) and scaled once per head, not once per value.
 //
 // Compiled with -ffast-math (compile step only: the library does not link the
@@ -43,7 +43,6 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -111,29 +110,22 @@ inline void weighted_sum_plain(acc_t* acc, const acc_t* score, const scalar_t* v
 
 // Quantized caches: the stored byte types (int8 as itself, float8 e4m3 as its bits).
 // float8 e4m3 ("fn": no infinities): 1 sign, 4 exponent (bias 7), 3 mantissa bits;
-// 0x7f / 0xff are NaN; exponent 0 is subnormal (m / 8 x 2^-6).
+// exponent 0 is subnormal (m / 8 x 2^-6). Decoded with integer arithmetic the
+// compiler vectorises: |x| = (8 + m) x 2^(e - 1) x 2^-9 for e > 0, m x 2^-9 for e = 0.
+// The two NaN codes (0x7f, 0xff) are never written (the quantizer clips to 448).
 struct Fp8E4M3 { uint8_t bits; };
 template <typename T> struct Tag { using type = T; };
 
-inline const std::array<float, 256>& fp8_table() {
-  static const std::array<float, 256> table = [] {
-    std::array<float, 256> t{};
-    for (int b = 0; b < 256; ++b) {
-      const int e = (b >> 3) & 15, m = b & 7;
-      float x = e == 0 ? std::ldexp(m / 8.0f, -6) : std::ldexp(1.0f + m / 8.0f, e - 7);
-      if (e == 15 && m == 7) x = std::numeric_limits<float>::quiet_NaN();
-      t[b] = (b & 0x80) ? -x : x;
-    }
-    return t;
-  }();
-  return table;
+inline float fp8_e4m3_to_float(uint8_t b) {
+  const int32_t e = (b >> 3) & 15, m = b & 7, normal = e != 0;
+  const float x = static_cast<float>((m + 8 * normal) << (e - normal)) * (1.0f / 512.0f);
+  return (b & 0x80) ? -x : x;
 }
 
 template <typename acc_t, typename cache_t>
 inline void decode_row(acc_t* dst, const cache_t* src, int64_t n) {
   if constexpr (std::is_same_v<cache_t, Fp8E4M3>) {
-    const float* t = fp8_table().data();
-    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<acc_t>(t[src[i].bits]);
+    for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<acc_t>(fp8_e4m3_to_float(src[i].bits));
   } else {
     for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<acc_t>(src[i]);
   }
