@@ -120,10 +120,10 @@ class AsyncLLM:
 
     def __init__(self, model="tiny", tokenizer=None, device: str = "auto", dtype: str = "float32",
                  seed: int = 0, step_in_thread: bool = True, history: int | None = None,
-                 stat_loggers: Sequence = (), **engine_options):
+                 stat_loggers: Sequence = (), quantization: str | None = None, **engine_options):
         from .model.registry import resolve_model, tokenizer_for
         config = EngineConfig().with_overrides(**engine_options)
-        self.model = resolve_model(model, device=device, dtype=dtype, seed=seed)
+        self.model = resolve_model(model, device=device, dtype=dtype, seed=seed, quantization=quantization)
         self.tokenizer = tokenizer if tokenizer is not None else tokenizer_for(getattr(self.model, "source", None))
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         self.engine = Engine(self.model, config, eos_token_id=eos)

@@ -160,7 +160,7 @@ def run_bench(scheduler: str = "continuous", workload: str = "uniform", num_requ
               percentiles=DEFAULT_PERCENTILES, goodput=None, speculative_method: str | None = None,
               num_speculative_tokens: int = 3, draft_model=None, sim_acceptance_rate: float = 0.7,
               clients: dict | None = None, slo_ttft_ms: float | None = None,
-              slo_e2e_ms: float | None = None,
+              slo_e2e_ms: float | None = None, quantization: str | None = None,
               **engine_options) -> tuple[dict, Engine]:
     """Run a workload and return (summary dict, engine). ``simulate_only`` runs no
     model at all (``sim_gpu`` and ``sim_model`` required). ``speculative_method``
@@ -170,6 +170,7 @@ def run_bench(scheduler: str = "continuous", workload: str = "uniform", num_requ
     further :class:`EngineConfig` fields (``kv_layout``, ``kv_budget_bytes``,
     ``block_size``, ``max_num_batched_tokens``, ``preemption_mode``, ``policy``,
     ``priority_aging_s``, ...).
+    ``quantization``: the real model's weights (``"int8"``, ``"int8_weight_only"``).
     ``percentiles`` and ``goodput`` (SLOs in ms, ``{"ttft": 200}`` or
     ``["ttft:200"]``) shape the latency keys (:func:`summarize`).
 
@@ -192,7 +193,7 @@ def run_bench(scheduler: str = "continuous", workload: str = "uniform", num_requ
         m, vocab = None, 256
     else:
         from .model.registry import resolve_model
-        m = resolve_model(model, device=device, dtype=dtype)
+        m = resolve_model(model, device=device, dtype=dtype, quantization=quantization)
         cfg.resolve(m.config)           # refuse a bad configuration before the warm-up
         vocab = min(256, m.config.vocab_size)
         warmup(m)

@@ -17,6 +17,8 @@ from .scheduler.policy import POLICIES
 from .scheduler.preemption import PREEMPTION_MODES
 from .model.config import PRESETS
 from .sim import GPUS
+from .model.quantization import QUANTIZATION_METHODS
+from .sim.precision import WEIGHT_DTYPES
 from .speculative.config import SPEC_METHODS
 from .workload import CLASS_WORKLOADS, DEFAULT_SLO_E2E_S, DEFAULT_SLO_TTFT_S, parse_clients, workload_names
 
@@ -73,6 +75,9 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="'tiny' (built-in, seeded random weights), 'tiny-py' (small, trained on Python source) or a Hugging Face checkpoint directory")
     p.add_argument("--device", default="auto", help="'auto' (CUDA when present), 'cpu' or 'cuda'")
     p.add_argument("--dtype", default="float32", help="float32, float16, bfloat16 or float64")
+    p.add_argument("--quantization", choices=QUANTIZATION_METHODS, default=None,
+                   help="quantize the model's projections through torchao: int8 (int8 weights and "
+                        "activations) or int8_weight_only (default: none, the --dtype weights)")
     p.add_argument("--cpu-threads", type=_cpu_threads, default="auto",
                    help="on a CPU: PyTorch's threads; auto (default): the cores other processes leave free")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -126,6 +131,11 @@ def _sim_args(p: argparse.ArgumentParser, simulate: bool) -> None:
                    help="model shape the simulator prices")
     p.add_argument("--tp", type=positive_int, default=1, metavar="N",
                    help="simulator only: tensor parallelism over N GPUs (weights, KV heads, projections sharded)")
+    p.add_argument("--weight-dtype", choices=list(WEIGHT_DTYPES), default="auto",
+                   help="simulator only: the projection weights' dtype it prices (auto = bf16; fp8; int4 with "
+                        "a scale and zero per 128 weights): fewer bytes read per decode step, more memory "
+                        "for KV. Priced by bytes alone: the GPU profiles hold bf16 GEMMs only, so no "
+                        "fp8/int4 kernel, fp8 tensor-core speed-up or dequantization cost is in it")
 
 
 def _engine_args(p: argparse.ArgumentParser, simulate: bool) -> None:
@@ -399,7 +409,8 @@ def _writable(path: str, parent: str) -> bool:
 def _generate(args) -> int:
     from .llm import LLM
     from .sampling import SamplingParams
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, scheduler=args.scheduler,
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
+              scheduler=args.scheduler,
               max_num_seqs=max(1, len(args.prompts)), attention_backend=args.attention_backend,
               cpu_threads=args.cpu_threads)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
@@ -419,6 +430,7 @@ def _engine_options(args) -> dict:
     return dict(kv_layout=args.kv or "auto", kv_budget_bytes=args.kv_budget, block_size=args.block_size,
                 kv_cache_dtype=args.kv_cache_dtype,
                 tensor_parallel_size=getattr(args, "tp", 1),
+                sim_weight_dtype=getattr(args, "weight_dtype", "auto"),
                 enable_prefix_caching=not args.no_prefix_caching,
                 max_num_batched_tokens="auto" if args.max_num_batched_tokens is None else args.max_num_batched_tokens,
                 enable_chunked_prefill=not args.no_chunked_prefill,
@@ -444,6 +456,7 @@ def _serve(args) -> int:
     _check_host(args.host, args.port)
     app = make_app(args.model, served_model_name=args.served_model_name, max_waiting=args.max_waiting_requests,
                    chat_template=args.chat_template, limits=_limits(args), device=args.device, dtype=args.dtype,
+                   quantization=args.quantization,
                    scheduler=args.scheduler, max_num_seqs=args.max_batch, max_model_len=args.max_model_len,
                    attention_backend=args.attention_backend, cpu_threads=args.cpu_threads,
                    **_engine_options(args), **_spec_option(args))
@@ -544,6 +557,7 @@ def _bench(args, simulate: bool) -> int:
         speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
         **({"sim_acceptance_rate": args.sim_acceptance_rate} if simulate else {"draft_model": args.draft_model}),
         **({} if simulate else {"model": args.model, "device": args.device, "dtype": args.dtype,
+                                "quantization": args.quantization,
                                 "attention_backend": args.attention_backend, "cpu_threads": args.cpu_threads}))
     print(format_report(summary, simulated=simulate))
     if args.json:

@@ -107,6 +107,10 @@ class EngineConfig:
     tensor_parallel_size: simulator only: the model runs sharded over this many
         GPUs of ``sim_gpu`` (weights, KV heads and projections split; two
         all-reduces per layer); the KV memory is that of all of them.
+    sim_weight_dtype: simulator only: the projection weights' dtype it prices,
+        ``"auto"`` (bf16), ``"fp8"`` or ``"int4"`` (:mod:`minibatch_engine.sim.precision`):
+        fewer bytes read per step and more memory left for KV. Priced by bytes
+        alone; no fp8 or int4 GEMM was measured.
     """
     scheduler: str = "continuous"
     max_num_seqs: int = 256
@@ -136,6 +140,7 @@ class EngineConfig:
     sim_model: str | ModelConfig | None = None
     step_overhead_s: float = 1e-3
     tensor_parallel_size: int = 1
+    sim_weight_dtype: str = "auto"
 
     def __post_init__(self):
         self.scheduler_config, self.cache_config, self.runner_config, self.sim_config   # each validates itself

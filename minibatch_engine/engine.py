@@ -73,7 +73,8 @@ class Engine:
             raise ValueError("tensor parallelism is simulated only: tensor_parallel_size > 1 needs the simulator "
                              "alone (no model, sim_gpu and sim_model)")
         self.cost_model = (CostModel(get_gpu(cfg.sim_gpu), sim_cfg, tensor_parallel_size=cfg.tensor_parallel_size,
-                                     step_overhead_s=cfg.step_overhead_s, cuda_graphs=cfg.cuda_graphs)
+                                     step_overhead_s=cfg.step_overhead_s, cuda_graphs=cfg.cuda_graphs,
+                                     **self._sim_dtypes())
                            if cfg.sim_gpu else None)
         device = model.device if model is not None else torch.device("meta")
         dtype = model.dtype if model is not None else torch.bfloat16
@@ -96,6 +97,12 @@ class Engine:
         self._known_ids: set[str] = set()
 
     # --- construction -------------------------------------------------------------
+    def _sim_dtypes(self) -> dict:
+        """The bytes the simulator prices KV and weights in: the KV cache's dtype
+        (``kv_cache_dtype``, when this engine has the knob) and ``sim_weight_dtype``."""
+        return {"kv_cache_dtype": getattr(self.config, "kv_cache_dtype", "auto"),
+                "weight_dtype": self.config.sim_weight_dtype}
+
     def _kv_budget(self, per_token: int, extra_bytes: int, device: torch.device) -> int:
         """Bytes of KV memory when the config names none: enough for every
         sequence at full length (and ``extra_bytes``), capped by the memory there is."""
@@ -208,7 +215,7 @@ class Engine:
         draft_cfg = spec.sim_draft_model or ("llama-3.2-1b" if draft is None else draft.config)
         draft_cfg = get_preset(draft_cfg) if isinstance(draft_cfg, str) else draft_cfg
         return CostModel(get_gpu(cfg.sim_gpu), draft_cfg, tensor_parallel_size=cfg.tensor_parallel_size,
-                         step_overhead_s=0.0, cuda_graphs=cfg.cuda_graphs)
+                         step_overhead_s=0.0, cuda_graphs=cfg.cuda_graphs, **self._sim_dtypes())
 
     def _make_proposer(self, draft):
         """Speculative decoding's proposer, for the runner: the simulator's stand-in,

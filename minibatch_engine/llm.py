@@ -62,13 +62,16 @@ class LLM:
     without one takes token-id prompts only, and its outputs' ``text`` is None.
     Engine options (``scheduler``, ``max_num_seqs``, ``kv_layout``, ``sim_gpu``,
     ...) are keyword arguments, checked here; see :class:`EngineConfig`.
+    ``quantization`` (vLLM's knob): ``"int8"`` or ``"int8_weight_only"``
+    quantizes the model's projections through torchao
+    (:mod:`minibatch_engine.model.quantization`); None keeps ``dtype``.
     """
 
     def __init__(self, model="tiny", tokenizer=None, device: str = "auto", dtype: str = "float32",
-                 seed: int = 0, **engine_options):
+                 seed: int = 0, quantization: str | None = None, **engine_options):
         from .model.registry import resolve_model, tokenizer_for
         self.config = EngineConfig().with_overrides(**engine_options)   # fails here, not at generate
-        self.model = resolve_model(model, device=device, dtype=dtype, seed=seed)
+        self.model = resolve_model(model, device=device, dtype=dtype, seed=seed, quantization=quantization)
         self.config.resolve(self.model.config)
         self.tokenizer = tokenizer if tokenizer is not None else tokenizer_for(getattr(self.model, "source", None))
         self.engine: Engine | None = None

@@ -92,6 +92,7 @@ EXPECTED = {
     "06_preemption.html": {"ch6-preemption"},
     "07_scheduling_policies.html": {"ch7-policies"},
     "08_serving_under_load.html": {"ch8-load"},
+    "13_fewer_bytes.html": {"ch13-memory"},
 }
 
 

@@ -46,6 +46,11 @@ COLORS = {
     "sample": "#C44E52",
     "update": "#8172B2",
     "rest": "#8C8C8C",
+    # number formats (chapter 13): the model's own precision against 8 and 4 bits
+    "bf16": "#4C72B0",         # blue: 16-bit K/V or weights
+    "fp8": "#DD8452",          # orange: float8 e4m3
+    "int8": "#55A868",         # green: int8
+    "int4": "#8172B2",         # purple: int4 weights
 }
 LANE_KINDS = ("idle", "prefill", "decode", "pad")
 
@@ -483,6 +488,34 @@ def shares(groups: Mapping[str, Mapping[str, float]], xlabel: str = "share of th
     ax.grid(False)
     ax.set_xlabel(xlabel)
     ax.legend(ncol=len(parts), loc="upper center", bbox_to_anchor=(0.5, -0.3), fontsize=8)
+    if title:
+        ax.set_title(title)
+    return fig
+
+
+def grouped_bars(groups: Mapping[str, Mapping[str, float]], xlabel: str, ax=None, title: str | None = None,
+                 log: bool = False, figsize=(6, 3.2)):
+    """Horizontal bars, one group per row label (``groups[label][series]``), the
+    series side by side in the palette's colours (chapter 13: KV bytes per
+    token or sequences that fit, per model and KV dtype)."""
+    fig, ax = _axes(ax, figsize)
+    labels = list(groups)
+    series = list(dict.fromkeys(k for g in groups.values() for k in g))
+    h = 0.8 / max(1, len(series))
+    for j, name in enumerate(series):
+        y = np.arange(len(labels)) + (j - (len(series) - 1) / 2) * h
+        values = [groups[g].get(name, 0.0) for g in labels]
+        ax.barh(y, values, height=h, label=name, color=COLORS.get(name))
+        for yi, v in zip(y, values):
+            ax.text(v, yi, f" {v:,.0f}" if v >= 10 else f" {v:.1f}", va="center", fontsize=7)
+    ax.set_yticks(np.arange(len(labels)))
+    ax.set_yticklabels(labels)
+    ax.invert_yaxis()
+    if log:
+        ax.set_xscale("log")
+    ax.set_xlabel(xlabel)
+    ax.grid(axis="y", visible=False)
+    ax.legend(fontsize=8, loc="lower right")
     if title:
         ax.set_title(title)
     return fig

@@ -35,9 +35,18 @@ def tokenizer_for(source) -> ByteTokenizer | HFTokenizer | None:
     return None
 
 
-def resolve_model(model="tiny", device="auto", dtype="float32", seed: int = 0) -> Transformer:
+def resolve_model(model="tiny", device="auto", dtype="float32", seed: int = 0,
+                  quantization: str | None = None) -> Transformer:
     """Build or load the model named by ``model``; the result remembers its
-    source as ``model.source`` (for :func:`tokenizer_for`)."""
+    source as ``model.source`` (for :func:`tokenizer_for`). ``quantization``
+    (``"int8"``, ``"int8_weight_only"``; :mod:`.quantization`) quantizes its
+    projections, a given :class:`Transformer` being copied first."""
+    if quantization is not None:
+        from .quantization import quantize_weights
+        if isinstance(model, Transformer):
+            import copy
+            model = copy.deepcopy(model)
+        return quantize_weights(resolve_model(model, device, dtype, seed), quantization)
     if isinstance(model, Transformer):
         return model
     if not isinstance(model, (str, Path)):

@@ -94,8 +94,14 @@ def linear_times(layer: nn.Linear, rounds: int = 5, calls: int = 4) -> dict[int,
     return _TIMES[key]
 
 
+def _plain_linear(mod: nn.Module) -> bool:
+    """An ``nn.Linear`` with an ordinary weight (not a quantized tensor subclass,
+    whose own kernels run it: :mod:`minibatch_engine.model.quantization`)."""
+    return type(mod) is nn.Linear and type(mod.weight) is nn.Parameter
+
+
 def _packable(mod: nn.Module) -> bool:
-    return type(mod) is nn.Linear and mod.weight.device.type == "cpu" and mod.weight.dtype in PACKABLE
+    return _plain_linear(mod) and mod.weight.device.type == "cpu" and mod.weight.dtype in PACKABLE
 
 
 def packing_rows(model: nn.Module) -> int | None:
@@ -129,7 +135,7 @@ def prepack_linear_weights(model: nn.Module, only_where_faster: bool = True) -> 
         return 0
     n = 0
     for mod in model.modules():
-        if type(mod) is nn.Linear and "forward" not in mod.__dict__:
+        if _plain_linear(mod) and "forward" not in mod.__dict__:
             mod.packed_from_rows = from_rows
             mod.forward = _packed_forward.__get__(mod)
             n += 1

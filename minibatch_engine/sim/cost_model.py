@@ -18,6 +18,12 @@ sequences' times add up, plus one fixed kernel cost per layer. The profiles
 hold no attention kernel, so those two efficiencies are assumptions
 (:class:`~.calibration.Calibration` says which, and why).
 
+KV cache and weights are priced by their bytes (:mod:`.precision`): an fp8 or
+int8 KV cache (``kv_cache_dtype``) about halves the bytes the attention kernel
+and the KV write move (one byte a value, and a scale per token and head); fp8 or int4 projection weights (``weight_dtype``) cut the
+weight bytes each projection reads. No quantized kernel was measured, so both
+run at the bf16 kernels' fitted rates (:mod:`.precision` says what that misses).
+
 The CPU side of a step is its own term: ``step_overhead_s`` for scheduling and
 input preparation, and a launch cost per kernel. Launches run ahead of the
 GPU, so the GPU's time and the launches overlap; a CUDA graph replaces a
@@ -33,6 +39,7 @@ from .calibration import Calibration, default_calibration
 from .hardware import GPU
 from .operators import (BYTES, all_reduce_time, check_tensor_parallel, gemm_time, layer_op_time, projection_shape,
                         small_op_bytes, small_op_time)
+from .precision import kv_bytes_per_token_head, weight_bytes, weight_bytes_per_element
 from .roofline import RooflineCostModel, StepCost
 
 KERNELS_PER_LAYER = 12     # two norms, QKV, RoPE, KV write, attention, O, two adds, up, activation, down
@@ -46,17 +53,24 @@ class CostModel:
     ``cuda_graphs``: decode-only steps replay a graph (one launch).
     ``async_scheduling``: the host's work overlaps the GPU's (vLLM's
     ``--async-scheduling``). ``calibration``: the constants (default: the
-    committed fit).
+    committed fit). ``kv_cache_dtype`` (``"auto"`` = bf16, ``"fp8"``, ``"int8"``)
+    and ``weight_dtype`` (``"auto"`` = bf16, ``"fp8"``, ``"int4"``): the bytes the
+    KV cache and the projection weights are read in (:mod:`.precision`).
     """
 
     def __init__(self, gpu: GPU, model: ModelConfig, tensor_parallel_size: int = 1,
                  step_overhead_s: float = 1e-3, cuda_graphs: bool = True, async_scheduling: bool = False,
-                 calibration: Calibration | None = None):
+                 calibration: Calibration | None = None, kv_cache_dtype: str = "auto",
+                 weight_dtype: str = "auto"):
         check_tensor_parallel(model, tensor_parallel_size)
         self.gpu, self.model, self.tp = gpu, model, tensor_parallel_size
         self.step_overhead_s, self.cuda_graphs, self.async_scheduling = step_overhead_s, cuda_graphs, async_scheduling
         self.cal = calibration or default_calibration()
-        self.roofline = RooflineCostModel(gpu, model, step_overhead_s=0.0)
+        self.kv_cache_dtype, self.weight_dtype = kv_cache_dtype, weight_dtype
+        kv_head = kv_bytes_per_token_head(model.head_dim, kv_cache_dtype)     # one token, one KV head: K or V
+        self.weight_elem = weight_bytes_per_element(weight_dtype)
+        self.roofline = RooflineCostModel(gpu, model, step_overhead_s=0.0, weight_bytes=weight_bytes(model, weight_dtype),
+                                          kv_bytes_per_token=2 * model.num_layers * model.num_kv_heads * kv_head)
         self.weight_bytes = self.roofline.weight_bytes                     # all GPUs together
         self.kv_bytes_per_token = self.roofline.kv_bytes_per_token         # all layers, all GPUs
         self.linear_params = self.roofline.linear_params                   # parameters in the projections
@@ -65,7 +79,7 @@ class CostModel:
         # KV heads are split across the GPUs, or replicated when there are fewer heads than GPUs
         self.kv_heads_per_gpu = math.ceil(m.num_kv_heads / tp)
         self.kv_replication = tp * self.kv_heads_per_gpu / m.num_kv_heads
-        self.kv_bytes_per_token_layer = 2 * self.kv_heads_per_gpu * m.head_dim * BYTES   # K and V, one GPU
+        self.kv_bytes_per_token_layer = 2 * self.kv_heads_per_gpu * kv_head   # K and V, one GPU
         self.heads_per_gpu = m.num_heads // tp
         self._projections = [projection_shape(op, m, tp) for op in
                              ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")]
@@ -78,7 +92,7 @@ class CostModel:
         for op in ("input_layernorm", "post_attention_layernorm", "mlp_act", "add", "add", "attn_rope"):
             small += layer_op_time(op, m, tokens, tp, gpu, cal)
         small += small_op_time("kv_write", tokens * self.kv_bytes_per_token_layer * 2, gpu, cal)   # read + write
-        return {"projections": sum(gemm_time(tokens, N, K, gpu, cal) for K, N in self._projections),
+        return {"projections": sum(gemm_time(tokens, N, K, gpu, cal, self.weight_elem) for K, N in self._projections),
                 "small operators": small,
                 "all-reduce": 2 * all_reduce_time(tokens * m.hidden_size * BYTES, tp, gpu, cal)}
 
@@ -158,4 +172,7 @@ class CostModel:
 
     def __repr__(self) -> str:
         tp = f" x{self.tp}" if self.tp > 1 else ""
-        return f"CostModel({self.model.name} on {self.gpu.name}{tp}, host {self.step_overhead_s * 1e3:g} ms/step)"
+        dtypes = "".join(f", {k} {v}" for k, v in (("KV", self.kv_cache_dtype), ("weights", self.weight_dtype))
+                         if v != "auto")
+        return (f"CostModel({self.model.name} on {self.gpu.name}{tp}, host {self.step_overhead_s * 1e3:g} ms/step"
+                f"{dtypes})")

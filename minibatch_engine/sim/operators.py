@@ -55,11 +55,14 @@ def projection_shape(op: str, model: ModelConfig, tp: int = 1) -> tuple[int, int
     raise ValueError(f"{op!r} is not a projection; projections: {', '.join(PROJECTIONS)}")
 
 
-def gemm_time(M, N, K, gpu: GPU, cal: Calibration | None = None):
-    """Seconds for ``[M, K] x [K, N]`` in bf16 (the smooth roofline plus a fixed cost)."""
+def gemm_time(M, N, K, gpu: GPU, cal: Calibration | None = None, weight_bytes_per_element: float = BYTES):
+    """Seconds for ``[M, K] x [K, N]`` in bf16 (the smooth roofline plus a fixed cost).
+    ``weight_bytes_per_element``: the ``[K, N]`` weight read in fewer bytes (fp8,
+    int4; :mod:`.precision`), at the bf16 GEMM's fitted rates: no quantized kernel
+    was measured."""
     cal = cal or default_calibration()
     t_c = 2 * M * N * K / (gpu.peak_flops * cal.e_compute)
-    t_m = BYTES * (M * K + K * N + M * N) / (gpu.hbm_bandwidth * cal.e_memory)
+    t_m = (BYTES * (M * K + M * N) + weight_bytes_per_element * K * N) / (gpu.hbm_bandwidth * cal.e_memory)
     p = cal.p
     return (t_c ** p + t_m ** p) ** (1 / p) + cal.t0_s
 

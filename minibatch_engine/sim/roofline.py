@@ -43,14 +43,21 @@ class StepCost:
 
 
 class RooflineCostModel:
+    """The ideal step of ``model`` on ``gpu``: every parameter in ``bytes_per_param``
+    bytes (or ``weight_bytes`` in all, for mixed precisions: :mod:`.precision`),
+    every cached K/V element in ``kv_bytes_per_element`` (or ``kv_bytes_per_token``
+    in all, scales included)."""
+
     def __init__(self, gpu: GPU, model: ModelConfig, bytes_per_param: int = 2,
-                 kv_bytes_per_element: int = 2, step_overhead_s: float = 1e-3):
+                 kv_bytes_per_element: int = 2, step_overhead_s: float = 1e-3,
+                 weight_bytes: float | None = None, kv_bytes_per_token: int | None = None):
         self.gpu, self.model = gpu, model
         self.bytes_per_param, self.kv_bytes_per_element = bytes_per_param, kv_bytes_per_element
         self.step_overhead_s = step_overhead_s
         self.linear_params = model.num_parameters(include_embeddings=False)
-        self.weight_bytes = model.num_parameters() * bytes_per_param
-        self.kv_bytes_per_token = model.kv_bytes_per_token(kv_bytes_per_element)
+        self.weight_bytes = model.num_parameters() * bytes_per_param if weight_bytes is None else weight_bytes
+        self.kv_bytes_per_token = (model.kv_bytes_per_token(kv_bytes_per_element) if kv_bytes_per_token is None
+                                   else kv_bytes_per_token)
 
     def flops_and_bytes(self, shapes: list[tuple[int, int]], logits_rows: int | None = None) -> tuple[float, float]:
         """A step's FLOPs and HBM bytes over sequences given as (new tokens q,

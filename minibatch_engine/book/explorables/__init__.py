@@ -11,6 +11,9 @@ number it computes against Python's.
   sharing and copy-on-write, paged against reserved memory.
 * :func:`policy_latency` (chapter 7) and :func:`sweep_latency` (chapter 8):
   latency distributions side by side, with a percentile and an SLO to drag.
+* :func:`~minibatch_engine.book.memory_calculator.memory_explorer` (chapter 13):
+  model, attention variant, KV and weight dtypes, context and GPUs -> the
+  largest batch and a decode step's time.
 """
 from .base import Explorable
 from .blocks import block_explorer, block_run

@@ -1,0 +1,78 @@
+"""Weight quantization through torchao (issue 40): ``LLM(..., quantization=...)``
+quantizes the decoder's projections, keeps the LM head and embedding, stores
+fewer bytes, and every scheduling mode gives the greedy tokens of the same
+quantized model recomputed alone (the correctness rule, for that model)."""
+import pytest
+import torch
+
+from minibatch_engine import LLM, Engine, SamplingParams
+from minibatch_engine.model import reference_generate
+from minibatch_engine.model.reference import full_forward_logits
+from minibatch_engine.model.quantization import QUANTIZATION_METHODS, quantize_weights, weight_bytes
+from minibatch_engine.model.registry import resolve_model
+from minibatch_engine.runner.prepack import num_packed_layers, prepack_linear_weights
+
+pytest.importorskip("torchao")
+
+PROMPTS = [list(b"def main():\n    "), list(b"import os\nimport sys\n\n"), list(b"class Point:\n"),
+           list(b"    return self.")]
+
+
+@pytest.fixture(scope="module", params=QUANTIZATION_METHODS)
+def quantized(request):
+    return request.param, resolve_model("tiny-py", device="cpu", quantization=request.param)
+
+
+def test_only_the_projections_are_quantized_and_the_bytes_shrink(quantized):
+    method, model = quantized
+    plain = resolve_model("tiny-py", device="cpu")
+    assert model.quantization == method
+    assert type(model.layers[0].attn.qkv_proj.weight) is not torch.nn.Parameter
+    assert type(model.lm_head.weight) is torch.nn.Parameter and type(model.embed.weight) is torch.nn.Parameter
+    # int8 projections and float32 embedding / head: under a third of the float32 bytes
+    assert weight_bytes(model) < weight_bytes(plain) / 3
+
+
+@pytest.mark.parametrize("options", [
+    dict(),                                                                   # vLLM's defaults
+    dict(max_num_batched_tokens=16, max_num_seqs=4),                          # chunked prefill
+    dict(num_kv_blocks=10, block_size=4, enable_prefix_caching=False),        # preemption (recompute)
+    dict(scheduler="static", max_num_seqs=2),                                 # padded static batches
+])
+def test_every_mode_gives_the_quantized_models_lone_greedy_tokens(quantized, options):
+    method, model = quantized
+    n = 12
+    expect = [reference_generate(model, p, n) for p in PROMPTS]
+    eng = Engine(model, attention_backend="sdpa", **options)
+    reqs = [eng.add_request(p, SamplingParams(max_tokens=n, ignore_eos=True)) for p in PROMPTS]
+    eng.run()
+    assert [r.output_token_ids for r in reqs] == expect
+
+
+def test_llm_copies_a_given_model_before_quantizing():
+    plain = resolve_model("tiny-py", device="cpu")
+    llm = LLM(plain, quantization="int8_weight_only", attention_backend="sdpa")
+    assert llm.model is not plain and getattr(plain, "quantization", None) is None
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == reference_generate(llm.model, PROMPTS[0], 8)
+
+
+def test_prepacking_leaves_quantized_layers_to_their_own_kernels(quantized):
+    _, model = quantized
+    switched = prepack_linear_weights(model, only_where_faster=False)
+    try:
+        assert switched == num_packed_layers(model) <= 1                # the LM head at most
+        assert full_forward_logits(model, list(range(64))).shape == (64, model.config.vocab_size)
+    finally:
+        from minibatch_engine.runner.prepack import unpack_linear_weights
+        unpack_linear_weights(model)
+
+
+def test_bad_settings_are_refused_naming_the_fix():
+    with pytest.raises(ValueError, match="quantization='int4' is not one of 'int8', 'int8_weight_only'"):
+        resolve_model("tiny", quantization="int4")
+    with pytest.raises(ValueError, match="needs a float32 or bfloat16 model.*dtype='float32'"):
+        resolve_model("tiny", dtype="float64", quantization="int8")
+    model = resolve_model("tiny", quantization="int8")
+    with pytest.raises(ValueError, match="already quantized"):
+        quantize_weights(model, "int8")
