@@ -7,7 +7,7 @@ Accuracy (deterministic: float64, CPU, no sampling): tiny-py on Python source it
 was not trained on (``json/decoder.py`` of the standard library; static scales
 calibrated on ``json/encoder.py``), and the seeded random ``tiny`` Llama on the
 same tokens, each KV format and scale granularity against the float cache
-(:mod:`minibatch_engine.kv.quant_accuracy`). Capacity: one workload at one KV
+(:mod:`minibatch_engine.model.kv_quant_accuracy`). Capacity: one workload at one KV
 byte budget for auto / fp8 / int8 (:mod:`minibatch_engine.book.kv_capacity`);
 its blocks, concurrency, preemptions and steps are deterministic, its
 throughput and TPOT wall-clock.
@@ -18,7 +18,7 @@ import argparse
 from pathlib import Path
 
 from minibatch_engine.book.kv_capacity import kv_dtypes_under_load
-from minibatch_engine.kv import quant_accuracy as qa
+from minibatch_engine.model import kv_quant_accuracy as qa
 from minibatch_engine.model import build_model
 from minibatch_engine.model.registry import resolve_model, tokenizer_for
 from minibatch_engine.model.trained import trained_model_path

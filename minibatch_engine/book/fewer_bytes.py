@@ -7,7 +7,7 @@
   left, per simulated weight dtype;
 * :func:`compare_models`: a quantized model against its float original on
   held-out text, teacher-forced (KL, log-prob error, top-1 agreement,
-  perplexity; the formulas of :mod:`minibatch_engine.kv.quant_accuracy`, here
+  perplexity; the formulas of :mod:`minibatch_engine.model.kv_quant_accuracy`, here
   between two models instead of two caches);
 * :func:`greedy_agreement_between`: long greedy continuations, token for token;
 * :func:`decode_rates`: decode tokens per second of several models at several
@@ -25,7 +25,7 @@ import torch
 
 from ..bench import run_bench
 from ..engine import Engine
-from ..kv.quant_accuracy import greedy_tokens
+from ..model.kv_quant_accuracy import greedy_tokens
 from ..model.reference import full_forward_logits
 from ..sampling import SamplingParams
 from ..sim import CostModel, get_gpu

@@ -97,7 +97,7 @@ class KVPool:
         want = (self.num_layers, 2, self.num_kv_heads)
         if static_scales is None or tuple(static_scales.shape) != want:
             raise ValueError(f"kv_cache_scale={self.kv_cache_scale!r} needs static_scales of shape {want} "
-                             "(calibrate them: minibatch_engine.kv.quant_accuracy.calibrate_kv_scales)")
+                             "(calibrate them: minibatch_engine.model.kv_quant_accuracy.calibrate_kv_scales)")
         return static_scales.to(device=device, dtype=torch.float32).contiguous()
 
     @property

@@ -15,7 +15,7 @@ recompute would. It costs one float32 per (token, head) for K and one for V:
 ``4 / head_dim`` of the 8-bit payload (3% at head_dim 128). The coarser
 alternatives, ``"per_head"`` and ``"per_tensor"``, need static scales calibrated
 on sample text (:func:`calibrate_kv_scales`) and clip what exceeds them; they
-cost no bytes per token. :mod:`minibatch_engine.kv.quant_accuracy` measures all
+cost no bytes per token. :mod:`minibatch_engine.model.kv_quant_accuracy` measures all
 three.
 
 Quantizing happens once, on write (:func:`write_slots`, the forward's write at

@@ -289,7 +289,7 @@ def test_metrics_carry_the_cache_config_info():
 
 # --- the accuracy measures -------------------------------------------------------------
 def test_accuracy_measures_are_exact_for_auto_and_follow_the_engine(tiny64):
-    from minibatch_engine.kv import quant_accuracy as qa
+    from minibatch_engine.model import kv_quant_accuracy as qa
     ids, calib = list(range(3, 67)), list(range(100, 164))
     rows = qa.teacher_forced_metrics(tiny64, ids, calib, [("auto", "per_token_head"), ("int8", "per_head")])
     assert (rows[0].mean_kl, rows[0].top1_agreement, rows[0].perplexity) == (0.0, 1.0, rows[0].float_perplexity)

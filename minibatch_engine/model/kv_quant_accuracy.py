@@ -30,9 +30,9 @@ from typing import Sequence
 import torch
 
 from ..attention import AttentionMetadata, get_attention_backend
-from ..model.reference import full_forward_logits
-from .pool import KVPool
-from .quant import SCALE_GRANULARITIES, dequantize, kv_format, quantize
+from ..kv.pool import KVPool
+from ..kv.quant import SCALE_GRANULARITIES, dequantize, kv_format, quantize
+from .reference import full_forward_logits
 
 VARIANTS = [("auto", "per_token_head")] + [(d, g) for d in ("fp8", "int8") for g in SCALE_GRANULARITIES]
 
