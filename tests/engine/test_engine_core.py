@@ -226,8 +226,8 @@ def test_bad_config_json_names_the_key(tmp_path):
 @pytest.mark.parametrize("argv, match", [
     (["bench", "--model", "llama-3-8b", "--num-requests", "2", "--no-progress"], "shape-only"),
     (["bench", "--model", "/no/such/checkpoint", "--no-progress"], "checkpoint"),
-    (["simulate", "--max-batch", "0", "--no-progress"], "max_num_seqs"),
-    (["simulate", "--block-size", "0", "--no-progress"], "block_size"),
+    (["simulate", "--max-batch", "0", "--no-progress"], "--max-batch"),
+    (["simulate", "--block-size", "0", "--no-progress"], "--block-size"),
     (["simulate", "--scheduler", "static", "--kv", "paged", "--no-progress"], "reserved"),
     (["generate", "hi", "--temperature", "-1", "--no-progress"], "temperature"),
     (["generate", "hi", "--device", "tpu", "--no-progress"], "tpu"),
