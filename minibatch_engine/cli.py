@@ -311,6 +311,10 @@ def _route_args(sub) -> None:
                     help="tokens per block of the router's prefix index (the backends' KV block size)")
     rt.add_argument("--poll-interval", type=positive_float, default=0.5, metavar="S",
                     help="seconds between polls of each backend's /health and /metrics")
+    rt.add_argument("--api-key", dest="router_api_key", default=None, metavar="KEY",
+                    help="require 'Authorization: Bearer KEY' on /v1/* and send it to the backends (their "
+                         "serve --api-key); default: $MINIBATCH_API_KEY, else $VLLM_API_KEY, else none (a "
+                         "client's key passes through)")
     rt.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     rt.add_argument("--port", type=_checked(int, lambda v: 0 <= v < 65536, "a port in [0, 65535]"),
                     default=8080, help="TCP port")
@@ -471,6 +475,11 @@ def _serve(args) -> int:
     return 0
 
 
+def _router_key(args) -> str | None:
+    from .server.access import api_key_from_env
+    return args.router_api_key or api_key_from_env()
+
+
 def _route(args) -> int:
     try:
         from .server.router_app import build_router_app, route
@@ -480,7 +489,7 @@ def _route(args) -> int:
     _check_host(args.host, args.port)
     app = build_router_app(args.backend, policy=args.policy, max_imbalance=args.max_imbalance,
                            model=args.model, block_size=args.block_size, poll_interval=args.poll_interval,
-                           limits=_limits(args))
+                           limits=_limits(args), api_key=_router_key(args))
     route(app, host=args.host, port=args.port)
     return 0
 

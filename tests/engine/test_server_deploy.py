@@ -174,3 +174,38 @@ def test_prefix_cache_counters_equal_the_engine_counts_and_token_histograms_coun
         assert buckets == [1, 2, 5, 10, 20, 50, 100, 200]
         assert m[f'vllm:request_generation_tokens_bucket{{le="5.0",model_name="tiny"}}'] == 4
         assert m[f'vllm:request_generation_tokens_bucket{{le="2.0",model_name="tiny"}}'] == 0
+
+
+# --- item 6: the router --------------------------------------------------------------
+def test_the_router_reads_kv_usage_under_any_prefix():
+    from minibatch_engine.server.router_app import kv_usage_from
+    for name in ("vllm:kv_cache_usage_perc", "minibatch:kv_cache_usage_perc", "acme:kv_cache_usage_perc",
+                 "vllm:gpu_cache_usage_perc"):
+        assert kv_usage_from(f'# HELP {name} x\n{name}{{model_name="m"}} 0.25\n') == 0.25
+    assert kv_usage_from('minibatch_router:backend_kv_cache_usage_perc{backend="a"} 0.9\n') == 0.0
+    assert kv_usage_from("") == 0.0
+
+
+def test_the_router_asks_for_the_key_and_sends_it_to_backends_that_use_the_vllm_prefix():
+    from minibatch_engine.server.router_app import ROUTED_HEADER, build_router_app
+    backends = [ServerThread(make_app("tiny", api_keys=["k"], metrics_prefixes=("vllm",), **OPTS)).start()
+                for _ in range(2)]
+    try:
+        app = build_router_app([b.url for b in backends], policy="round-robin",
+                               poll_interval=0.1, api_key="k")
+        with ServerThread(app) as r:
+            good = openai.OpenAI(base_url=f"{r.url}/v1", api_key="k", max_retries=0)
+            status, hdrs, _ = call(f"{r.url}/v1/completions", {"prompt": "a", "max_tokens": 2},
+                                   headers={"Authorization": "Bearer k"})
+            assert status == 200 and hdrs[ROUTED_HEADER] in {b.url for b in backends}
+            assert good.models.list().data[0].id == "tiny"
+            with pytest.raises(openai.AuthenticationError):
+                openai.OpenAI(base_url=f"{r.url}/v1", api_key="no", max_retries=0).models.list()
+        with ServerThread(build_router_app([b.url for b in backends], poll_interval=0.1)) as r:
+            # no router key: the client's own passes through, to /v1/models too
+            assert openai.OpenAI(base_url=f"{r.url}/v1", api_key="k", max_retries=0).models.list().data
+            with pytest.raises(openai.AuthenticationError):
+                openai.OpenAI(base_url=f"{r.url}/v1", api_key="no", max_retries=0).models.list()
+    finally:
+        for b in backends:
+            b.stop()
