@@ -209,3 +209,22 @@ def test_the_router_asks_for_the_key_and_sends_it_to_backends_that_use_the_vllm_
     finally:
         for b in backends:
             b.stop()
+
+
+def test_serve_flags_and_the_environment_choose_the_key_cors_and_prefixes(monkeypatch):
+    from minibatch_engine.cli import _access_options, build_parser
+    parse = build_parser().parse_args
+    for name in ("MINIBATCH_API_KEY", "VLLM_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    assert _access_options(parse(["serve"])) == {"api_keys": None, "cors": None,
+                                                 "metrics_prefixes": ("minibatch",)}
+    monkeypatch.setenv("VLLM_API_KEY", "from-vllm")
+    assert _access_options(parse(["serve"]))["api_keys"] == ["from-vllm"]
+    monkeypatch.setenv("MINIBATCH_API_KEY", "ours")
+    assert _access_options(parse(["serve"]))["api_keys"] == ["ours"]
+    opts = _access_options(parse(["serve", "--api-key", "flag", "--allowed-origins", "*",
+                                  "--metrics-prefix", "vllm", "minibatch"]))
+    assert opts["api_keys"] == ["flag"] and opts["cors"].allowed_origins == ("*",)
+    assert opts["metrics_prefixes"] == ("vllm", "minibatch")
+    with pytest.raises(ValueError, match="allow-credentials"):
+        _access_options(parse(["serve", "--allowed-origins", "*", "--allow-credentials"]))
