@@ -7,7 +7,7 @@ through ``/tokenize``).
 * ``POST /tokenize`` ``{"prompt": str}`` or ``{"messages": [...]}`` (rendered
   with the server's chat template; ``add_generation_prompt`` defaults to
   true) -> ``{"count", "max_model_len", "tokens"}``, plus ``token_strs``
-  with ``"return_token_strs": true``. The ids are exactly those the server
+  (each token as its vocabulary spells it) with ``"return_token_strs": true``. The ids are exactly those the server
   computes for the same text prompt. ``add_special_tokens`` is accepted:
   the engine adds no special token to a text prompt either way (the byte
   models' files say ``add_bos_token: false``), so it changes nothing.
@@ -121,9 +121,14 @@ def _render(template, data: dict) -> str:
 
 
 def _token_str(tok, token_id: int) -> str:
-    """One token's text (vLLM's ``token_strs``): a special token's own text,
-    else its decoding (a lone byte of a multi-byte character shows as U+FFFD)."""
+    """One token as its tokenizer spells it (vLLM's ``token_strs``, Hugging
+    Face's ``convert_ids_to_tokens``): a special token's text; a byte in GPT-2's
+    printable alphabet (a newline is ``Ċ``); an ``HFTokenizer``'s vocabulary entry."""
+    from ..model.hf_tokenizer import byte_alphabet
     for text, i in getattr(tok, "special_tokens", {}).items():
         if i == token_id:
             return text
-    return tok.decode([token_id])
+    inner = getattr(tok, "_tok", None)          # HFTokenizer: the tokenizers package's own
+    if inner is not None:
+        return inner.id_to_token(token_id) or ""
+    return byte_alphabet()[token_id] if token_id < 256 else tok.decode([token_id])
