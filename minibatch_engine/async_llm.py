@@ -144,6 +144,7 @@ class AsyncLLM:
         self.stat_loggers = list(stat_loggers)
         self._iteration = IterationStats()
         self._last_logged_step = None
+        self._prefix_seen = (0, 0)             # the scheduler's prefix-cache counters at the last report
 
     # --- the public door -------------------------------------------------------
     async def stream(self, prompt, sampling_params: SamplingParams | None = None,
@@ -372,6 +373,11 @@ class AsyncLLM:
         if len(trace) and trace[-1].step != self._last_logged_step:    # (an empty step records nothing)
             self._last_logged_step = trace[-1].step
             it.num_preemptions = len(trace[-1].preempted)
+        sched = self.engine.scheduler              # the prefix-cache counters' growth since the last report
+        totals = (getattr(sched, "prefix_cache_queries", 0), getattr(sched, "prefix_cache_hits", 0))
+        seen = self._prefix_seen
+        it.prefix_cache_queries, it.prefix_cache_hits = totals[0] - seen[0], totals[1] - seen[1]
+        self._prefix_seen = totals
         stats = self.scheduler_stats()
         for logger in self.stat_loggers:
             logger.record(stats, it)

@@ -260,7 +260,8 @@ def build_parser() -> argparse.ArgumentParser:
     sv = sub.add_parser("serve", formatter_class=FORMATTER, help="serve OpenAI's API over HTTP",
                         description="An OpenAI-compatible HTTP server (as vLLM serves the API): POST "
                                     "/v1/completions and /v1/chat/completions (streaming or not), GET /v1/models, "
-                                    "/health, /metrics (Prometheus). SIGTERM drains, then exits.")
+                                    "/health, /metrics (Prometheus), POST /tokenize and /detokenize, GET "
+                                    "/tokenizer_info. SIGTERM drains, then exits.")
     sv.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     sv.add_argument("--port", type=_checked(int, lambda v: 0 <= v < 65536, "a port in [0, 65535]"),
                     default=8000, help="TCP port")
@@ -272,9 +273,41 @@ def build_parser() -> argparse.ArgumentParser:
     sv.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0, metavar="S",
                     help="on SIGTERM, seconds the requests in flight may take to finish before they are aborted")
     _connection_args(sv)
+    _access_args(sv)
     _bench_args(sv, False, serve=True)
     _route_args(sub)
     return parser
+
+
+def _access_args(p: argparse.ArgumentParser) -> None:
+    """serve's deployment options: API key, CORS, metric names (server/access.py, server/metrics.py)."""
+    g = p.add_argument_group("deployment (API key, CORS, metric names)")
+    g.add_argument("--api-key", dest="server_api_key", nargs="+", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/* (401 otherwise; /health, /metrics, "
+                        "/tokenize stay open, as in vLLM); default: $MINIBATCH_API_KEY, else $VLLM_API_KEY, "
+                        "else no key")
+    g.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                   help="CORS: web origins a browser may call from (e.g. http://localhost:3000, or '*'); "
+                        "default none (vLLM's default is '*')")
+    g.add_argument("--allowed-methods", nargs="+", default=["GET", "POST", "OPTIONS"], metavar="M",
+                   help="CORS: methods allowed from those origins")
+    g.add_argument("--allowed-headers", nargs="+", default=["Authorization", "Content-Type"], metavar="H",
+                   help="CORS: request headers allowed from those origins ('*': whatever is asked)")
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies and credentials")
+    g.add_argument("--metrics-prefix", nargs="+", default=["minibatch"], metavar="P",
+                   help="names of /metrics series: 'vllm' gives vllm:num_requests_waiting etc., so vLLM's "
+                        "dashboards and gateways read them unchanged; several prefixes serve each series "
+                        "under each")
+
+
+def _access_options(args) -> dict:
+    from .server.access import CorsPolicy, api_key_from_env
+    key = args.server_api_key or ([api_key_from_env()] if api_key_from_env() else None)
+    cors = None
+    if args.allowed_origins:
+        cors = CorsPolicy(tuple(args.allowed_origins), tuple(m.upper() for m in args.allowed_methods),
+                          tuple(args.allowed_headers), args.allow_credentials)
+    return {"api_keys": key, "cors": cors, "metrics_prefixes": tuple(args.metrics_prefix)}
 
 
 def _route_args(sub) -> None:
@@ -298,6 +331,10 @@ def _route_args(sub) -> None:
                     help="tokens per block of the router's prefix index (the backends' KV block size)")
     rt.add_argument("--poll-interval", type=positive_float, default=0.5, metavar="S",
                     help="seconds between polls of each backend's /health and /metrics")
+    rt.add_argument("--api-key", dest="router_api_key", default=None, metavar="KEY",
+                    help="require 'Authorization: Bearer KEY' on /v1/* and send it to the backends (their "
+                         "serve --api-key); default: $MINIBATCH_API_KEY, else $VLLM_API_KEY, else none (a "
+                         "client's key passes through)")
     rt.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     rt.add_argument("--port", type=_checked(int, lambda v: 0 <= v < 65536, "a port in [0, 65535]"),
                     default=8080, help="TCP port")
@@ -459,9 +496,14 @@ def _serve(args) -> int:
                    quantization=args.quantization,
                    scheduler=args.scheduler, max_num_seqs=args.max_batch, max_model_len=args.max_model_len,
                    attention_backend=args.attention_backend, cpu_threads=args.cpu_threads,
-                   **_engine_options(args), **_spec_option(args))
+                   **_engine_options(args), **_spec_option(args), **_access_options(args))
     serve(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout)
     return 0
+
+
+def _router_key(args) -> str | None:
+    from .server.access import api_key_from_env
+    return args.router_api_key or api_key_from_env()
 
 
 def _route(args) -> int:
@@ -473,7 +515,7 @@ def _route(args) -> int:
     _check_host(args.host, args.port)
     app = build_router_app(args.backend, policy=args.policy, max_imbalance=args.max_imbalance,
                            model=args.model, block_size=args.block_size, poll_interval=args.poll_interval,
-                           limits=_limits(args))
+                           limits=_limits(args), api_key=_router_key(args))
     route(app, host=args.host, port=args.port)
     return 0
 

@@ -40,6 +40,8 @@ class IterationStats:
     time_to_first_tokens: list[float] = field(default_factory=list)
     inter_token_latencies: list[float] = field(default_factory=list)
     finished_requests: list[FinishedRequestStats] = field(default_factory=list)
+    prefix_cache_queries: int = 0       # tokens of admitted requests looked up in the prefix cache
+    prefix_cache_hits: int = 0          # of those, tokens found cached
 
 
 class StatLogger(Protocol):

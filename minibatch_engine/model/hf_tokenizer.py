@@ -17,9 +17,9 @@ Face's format:
   (:data:`BYTE_LEVEL_TEMPLATE`), beside the engine's own key
   (``"minibatch_engine_tokenizer": "byte"``).
 
-One difference remains. A Hugging Face tokenizer reads the literal text of a
-special token (``"<|eos|>"``) in a prompt as that token, where the byte
-tokenizer reads its bytes. Prompts sent as token ids are unaffected.
+Both read the literal text of a special token (``"<|eos|>"``) in a prompt
+as that one token: the engine's byte tokenizer takes the special tokens this
+file declares (:func:`~minibatch_engine.model.tokenizer.load_tokenizer`).
 """
 from __future__ import annotations
 

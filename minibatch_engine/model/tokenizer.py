@@ -17,6 +17,7 @@ against the byte tokenizer's ids. Otherwise the folder needs a ``tokenizer.json`
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Iterable
 
@@ -33,7 +34,20 @@ class ByteTokenizer:
     PAD. ``vocab_size`` matches the tiny model's embedding table (260: one id is
     unused). Any text round-trips exactly; decoding an arbitrary id sequence may
     cut a multi-byte character, which then shows as U+FFFD.
+
+    ``special_tokens`` (text -> id, e.g. ``{"<|eos|>": 257}``): texts that
+    encode as that one id rather than as their bytes, as a Hugging Face
+    tokenizer reads its special tokens in a prompt. A checkpoint's
+    ``tokenizer_config.json`` declares them (``"eos_token": "<|eos|>"``), so
+    the engine, the server's ``/tokenize`` and ``AutoTokenizer`` give the same
+    ids; the built-in ``tiny`` declares none.
     """
+
+    def __init__(self, special_tokens: dict[str, int] | None = None):
+        self.special_tokens = dict(special_tokens or {})
+        self._split = (re.compile("(" + "|".join(map(re.escape, sorted(self.special_tokens, key=len,
+                                                                        reverse=True))) + ")")
+                       if self.special_tokens else None)
 
     @property
     def bos_token_id(self) -> int:
@@ -53,7 +67,12 @@ class ByteTokenizer:
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         """Token ids of ``text``: its UTF-8 bytes, optionally preceded by BOS."""
-        ids = list(text.encode("utf-8"))
+        if self._split is None:
+            ids = list(text.encode("utf-8"))
+        else:           # odd pieces are special-token texts (the pattern's one group)
+            ids = []
+            for k, piece in enumerate(self._split.split(text)):
+                ids.extend([self.special_tokens[piece]] if k % 2 else piece.encode("utf-8"))
         return [BOS_ID] + ids if add_bos else ids
 
     def decode(self, ids: Iterable[int]) -> str:
@@ -68,7 +87,7 @@ class ByteTokenizer:
         return data.decode("utf-8", errors="replace")
 
     def __repr__(self) -> str:
-        return "ByteTokenizer()"
+        return f"ByteTokenizer({self.special_tokens})" if self.special_tokens else "ByteTokenizer()"
 
 
 #: key of ``tokenizer_config.json`` naming one of our own tokenizers, and its values
@@ -201,7 +220,13 @@ def _byte_tokenizer_for(path: Path, tok_cfg: dict) -> ByteTokenizer:
         raise CheckpointError(f"{file.name} in {str(path)!r} names tokenizer "
                               f"{TOKENIZER_KEY}={kind!r}; the only one built in is "
                               f"{BYTE_TOKENIZER!r}")
-    tok = ByteTokenizer()
+    specials = {}
+    for key in ("bos_token", "eos_token", "pad_token"):
+        text = tok_cfg.get(key)
+        text = text.get("content") if isinstance(text, dict) else text
+        if isinstance(text, str) and text:
+            specials[text] = getattr(ByteTokenizer(), key + "_id")
+    tok = ByteTokenizer(specials)
     for key in ("bos_token_id", "eos_token_id", "pad_token_id"):
         if key in tok_cfg and tok_cfg[key] != getattr(tok, key):
             raise CheckpointError(f"{file.name} in {str(path)!r} says {key}={tok_cfg[key]!r}, but "

@@ -77,6 +77,10 @@ class ContinuousScheduler(Scheduler):
         self.preemptor = preemptor or Preemptor(kv_cache)
         self.policy = policy or FCFSPolicy()
         self.preemptor.policy = self.policy      # the policy chooses the victim
+        # vLLM's prefix-cache counters, in tokens: every admission looks its
+        # request's tokens up (queries) and finds some cached (hits).
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     # --- queues -------------------------------------------------------------------
     def _enqueue(self, request: Request) -> None:
@@ -243,6 +247,9 @@ class ContinuousScheduler(Scheduler):
                                   prefix=prefix, headroom=headroom):
             req.num_computed_tokens = prefix.num_tokens
             req.num_cached_tokens += prefix.num_tokens
+            if getattr(getattr(self.kv_cache, "manager", None), "enable_prefix_caching", False):
+                self.prefix_cache_queries += req.num_tokens
+                self.prefix_cache_hits += prefix.num_tokens
             return n, False
         return 0, True
 

@@ -5,6 +5,8 @@ of an :class:`~minibatch_engine.async_llm.AsyncLLM`.
 * :mod:`.chat_template`: chat messages -> one prompt;
 * :mod:`.metrics`: ``/metrics`` in Prometheus's format, vLLM's names;
 * :mod:`.app`: the routes (aiohttp);
+* :mod:`.tokenize_routes`: ``/tokenize``, ``/detokenize``, ``/tokenizer_info``;
+* :mod:`.access`: the API key on ``/v1/*`` and CORS;
 * :mod:`.launch`: the foreground server (signals) and :class:`ServerThread`.
 * :mod:`.limits`: header and body deadlines and a bound on open connections
   (``serve`` and ``route`` both).

@@ -1,8 +1,10 @@
 """The HTTP routes: OpenAI's API as vLLM serves it, in front of an ``AsyncLLM``.
 
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (streamed as
-server-sent events with ``"stream": true``), ``GET /v1/models``,
-``GET /health`` and ``GET /metrics``. A request of ``n`` choices over ``p``
+server-sent events with ``"stream": true``), ``GET /v1/models`` (``root``:
+the model's folder, where its tokenizer files are), ``GET /health``,
+``GET /metrics`` and the tokenizer (:mod:`.tokenize_routes`); an API key and
+CORS guard them as :mod:`.access` says. A request of ``n`` choices over ``p``
 prompts becomes ``n * p`` engine requests (choice ``k`` seeded ``seed + k``),
 as vLLM V1's front end fans a parallel-sampling request out. They reach the
 engine in the same step, so each prefills the prompt: the prefix cache only
@@ -35,6 +37,8 @@ from aiohttp import web
 
 from ..async_llm import AsyncLLM, StreamOutput
 from ..inputs import encode_text
+from . import tokenize_routes
+from .access import CorsPolicy, add_cors_headers, api_key_middleware, cors_middleware
 from .chat_template import byte_level_chat
 from .limits import ConnectionLimits, read_body
 from .metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
@@ -47,25 +51,33 @@ STATE_KEY = web.AppKey("state", dict)
 
 def build_app(llm: AsyncLLM, model_name: str, max_waiting: int = 1024, chat_template=byte_level_chat,
               metrics: PrometheusStatLogger | None = None, shutdown_timeout: float = 30.0,
-              limits: ConnectionLimits | None = None) -> web.Application:
+              limits: ConnectionLimits | None = None, api_keys: list[str] | None = None,
+              cors: CorsPolicy | None = None, metrics_prefixes=("minibatch",)) -> web.Application:
     """The aiohttp application. ``llm``'s stat loggers get the Prometheus one.
     ``max_waiting``: a request that would make more than this many requests
     wait is refused with 503 (one that asks for more than this many at once,
     with 400). On shutdown the requests in flight get ``shutdown_timeout``
     seconds to finish, then are aborted, and the engine loop stops.
-    ``limits``: the connection deadlines and bound (:mod:`.limits`)."""
+    ``limits``: the connection deadlines and bound (:mod:`.limits`).
+    ``api_keys``, ``cors``: who may call it (:mod:`.access`);
+    ``metrics_prefixes``: the metric names' prefixes (:mod:`.metrics`)."""
     if metrics is None:
-        metrics = PrometheusStatLogger(model_name)
+        metrics = PrometheusStatLogger(model_name, metrics_prefixes, llm.engine.max_model_len)
     metrics.set_cache_config(llm.engine)
     llm.stat_loggers.append(metrics)
-    app = web.Application(middlewares=[_errors])
+    guards = ([cors_middleware(cors)] if cors is not None else []) + \
+        ([api_key_middleware(api_keys)] if api_keys else [])
+    app = web.Application(middlewares=[*guards, _errors])
+    if cors is not None:
+        app.on_response_prepare.append(add_cors_headers(cors))
     app[LLM_KEY] = llm
     app[STATE_KEY] = {"model": model_name, "max_waiting": max_waiting, "chat_template": chat_template,
                       "metrics": metrics, "created": int(time.time()), "in_flight": 0, "starting": 0,
                       "drain_timeout": shutdown_timeout, "limits": limits or ConnectionLimits()}
     app.add_routes([web.post("/v1/completions", _completions), web.post("/v1/chat/completions", _chat),
                     web.get("/v1/models", _models), web.get("/health", _health),
-                    web.get("/metrics", _metrics), web.get("/version", _version)])
+                    web.get("/metrics", _metrics), web.get("/version", _version),
+                    *tokenize_routes.routes(LLM_KEY, STATE_KEY)])
     app.on_shutdown.append(_drain)
     app.on_cleanup.append(_shutdown)
     return app
@@ -109,7 +121,8 @@ async def _shutdown(app: web.Application) -> None:
 async def _models(request):
     st, llm = request.app[STATE_KEY], request.app[LLM_KEY]
     card = {"id": st["model"], "object": "model", "created": st["created"], "owned_by": "minibatch-engine",
-            "root": st["model"], "parent": None, "max_model_len": _limit(llm)}
+            "root": tokenize_routes.model_folder(llm) or st["model"],     # where AutoTokenizer finds the files
+            "parent": None, "max_model_len": _limit(llm)}
     return web.json_response({"object": "list", "data": [card]})
 
 

@@ -27,10 +27,15 @@ DEFAULT_HISTORY = 4096      # steps of trace a server keeps (bounded memory: Asy
 
 def make_app(model="tiny", served_model_name: str | None = None, max_waiting: int = 1024,
              chat_template: str | None = None, history: int | None = DEFAULT_HISTORY,
-             limits: ConnectionLimits | None = None, **llm_options) -> web.Application:
+             limits: ConnectionLimits | None = None, api_keys: list[str] | None = None,
+             cors=None, metrics_prefixes=("minibatch",), **llm_options) -> web.Application:
     """Build the model, an :class:`AsyncLLM` around it and the application.
     ``llm_options`` are AsyncLLM's (``device``, ``dtype``, engine options).
-    The chat template is read (and its syntax checked) before the model is built."""
+    The chat template is read (and its syntax checked) before the model is built.
+    ``api_keys``, ``cors`` (a :class:`~.access.CorsPolicy`) and
+    ``metrics_prefixes`` go to :func:`~.app.build_app`."""
+    from .metrics import check_prefixes
+    check_prefixes(metrics_prefixes)           # a bad flag fails before the model loads
     if served_model_name is not None and not (isinstance(served_model_name, str) and served_model_name.strip()):
         raise ValueError(f"--served-model-name must be a non-empty name, got {served_model_name!r}")
     source = model if isinstance(model, str) else None
@@ -39,7 +44,8 @@ def make_app(model="tiny", served_model_name: str | None = None, max_waiting: in
     name = served_model_name or (model if isinstance(model, str) else llm.model.config.name)
     if template is None:
         template = load_chat_template(getattr(llm.model, "source", None))
-    return build_app(llm, name, max_waiting=max_waiting, chat_template=template, limits=limits)
+    return build_app(llm, name, max_waiting=max_waiting, chat_template=template, limits=limits,
+                     api_keys=api_keys, cors=cors, metrics_prefixes=metrics_prefixes)
 
 
 def _log(msg: str) -> None:

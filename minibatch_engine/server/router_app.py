@@ -8,9 +8,10 @@ backend and lets the policy choose:
 
 * ``outstanding``: the router's own count of requests it sent there that have
   not ended (exact: every request passes through it);
-* ``kv_usage``: the backend's ``kv_cache_usage_perc`` gauge (``minibatch:`` or
-  ``vllm:``), polled from its ``/metrics`` every ``poll_interval`` seconds, so
-  up to that old;
+* ``kv_usage``: the backend's ``kv_cache_usage_perc`` gauge under whatever
+  prefix it uses (``minibatch:``, ``vllm:`` or any ``serve --metrics-prefix``;
+  vLLM's older ``gpu_cache_usage_perc`` too), polled from its ``/metrics``
+  every ``poll_interval`` seconds, so up to that old;
 * ``prefix_tokens``: the request's expected prefix-cache hit there, from the
   router's :class:`~minibatch_engine.cluster.prefix_index.PrefixIndex` (what it
   sent where, in blocks of ``block_size`` tokens). The keys are token ids:
@@ -28,6 +29,12 @@ with its status. A backend that refuses the connection is marked unhealthy
 and the request goes to the next choice; with no healthy backend left the
 router answers 503. A client that goes away closes the upstream connection,
 so the backend aborts the request (and frees its KV cache).
+
+With ``api_key`` (``route --api-key``, default ``$MINIBATCH_API_KEY`` then
+``$VLLM_API_KEY``, as ``serve``) the router asks clients for that key on
+``/v1/*`` (:mod:`.access`) and sends it to the backends, which share it;
+without, a client's ``Authorization`` header passes through unchanged, to
+``/v1/models`` too.
 
 ``GET /v1/models`` asks a healthy backend; ``GET /health`` is 200 while at
 least one backend is healthy (its ``/health`` answered 200 at the last poll);
@@ -49,13 +56,14 @@ from aiohttp import web
 
 from ..cluster.prefix_index import PrefixIndex, block_hashes
 from ..cluster.router import ReplicaState, RouterPolicy, make_router
+from .access import api_key_middleware
 from .app import error_response
 from .launch import STATE_KEY
 from .limits import ConnectionLimits, read_body, run_forever
 from .protocol import APIError, parse_json
 
 PREFIX = "minibatch_router:"
-KV_GAUGES = ("minibatch:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
+KV_GAUGES = ("kv_cache_usage_perc", "gpu_cache_usage_perc")      # after any "prefix:"
 ROUTED_HEADER = "X-Routed-To"
 GENERATION_PATHS = ("/v1/completions", "/v1/chat/completions")
 
@@ -84,7 +92,7 @@ def _base(url: str) -> str:
 def build_router_app(backends: Sequence[str], policy: str | RouterPolicy = "round-robin",
                      max_imbalance: int | None = None, model: str | None = None, block_size: int = 16,
                      poll_interval: float = 0.5, connect_timeout: float = 5.0,
-                     limits: ConnectionLimits | None = None) -> web.Application:
+                     limits: ConnectionLimits | None = None, api_key: str | None = None) -> web.Application:
     """The router application (the module doc). ``backends``: the servers'
     URLs (with or without ``/v1``); ``policy``: a name from
     :data:`~minibatch_engine.cluster.router.ROUTER_POLICIES` or a policy
@@ -92,7 +100,8 @@ def build_router_app(backends: Sequence[str], policy: str | RouterPolicy = "roun
     default when None); ``model``: a model whose tokenizer keys text prompts
     (``"tiny"``, ``"tiny-py"``, a checkpoint directory); ``block_size``: tokens
     per prefix block (the backends' KV block size); ``limits``: the client
-    connections' deadlines and bound (:mod:`.limits`)."""
+    connections' deadlines and bound (:mod:`.limits`); ``api_key``: the
+    key clients must send and the backends get (the module doc)."""
     urls = [_base(u) for u in backends]
     if not urls:
         raise ValueError("the router needs at least one backend (--backend URL)")
@@ -107,8 +116,8 @@ def build_router_app(backends: Sequence[str], policy: str | RouterPolicy = "roun
         raise ValueError(f"max_imbalance is the prefix policy's load guard; policy {policy!r} takes none")
     chooser = make_router(policy, **options)
     tokenizer = _tokenizer(model) if model is not None else None
-    app = web.Application(middlewares=[_errors])
-    app[STATE_KEY] = {"backends": [Backend(i, u) for i, u in enumerate(urls)], "policy": chooser,
+    app = web.Application(middlewares=[api_key_middleware([api_key]), _errors] if api_key else [_errors])
+    app[STATE_KEY] = {"upstream_auth": f"Bearer {api_key}" if api_key else None, "backends": [Backend(i, u) for i, u in enumerate(urls)], "policy": chooser,
                       "index": PrefixIndex(len(urls), block_size), "tokenizer": tokenizer,
                       "poll_interval": poll_interval, "connect_timeout": connect_timeout,
                       "no_backend": 0, "drain_timeout": 5.0, "limits": limits or ConnectionLimits()}
@@ -178,9 +187,16 @@ async def _poll(session, b: Backend, timeout: float) -> None:
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
         b.healthy = False
         return
-    usage = [float(line.rpartition(" ")[2]) for line in text.splitlines()
-             if line.split("{", 1)[0].split(" ", 1)[0] in KV_GAUGES]
-    b.kv_usage = max(usage, default=0.0)
+    b.kv_usage = kv_usage_from(text)
+
+
+def kv_usage_from(metrics_text: str) -> float:
+    """The KV-cache usage a backend's ``/metrics`` reports, under any prefix
+    (the largest, should it report several: its model names or prefixes)."""
+    usage = [float(line.rpartition(" ")[2]) for line in metrics_text.splitlines()
+             if not line.startswith("#") and ":" in (name := line.split("{", 1)[0].split(" ", 1)[0])
+             and name.rpartition(":")[2] in KV_GAUGES]
+    return max(usage, default=0.0)
 
 
 # --- routing ---------------------------------------------------------------------------
@@ -222,7 +238,7 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
     hashes = block_hashes(prefix_key(body, request.path, st["tokenizer"]), st["index"].block_size)
-    headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
+    headers = _upstream_headers(request)
     tried: set[int] = set()
     while True:
         b = choose(st, hashes, tried)          # no await between the choice and the count
@@ -307,13 +323,22 @@ async def _relay(request: web.Request, upstream: aiohttp.ClientResponse, b: Back
     return resp
 
 
+def _upstream_headers(request) -> dict:
+    """The headers a backend gets: the body's type and the key (the router's own, else the client's)."""
+    headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "content-type")}
+    auth = request.app[STATE_KEY]["upstream_auth"]
+    if auth is not None:
+        headers = {k: v for k, v in headers.items() if k.lower() != "authorization"} | {"Authorization": auth}
+    return headers
+
+
 # --- small routes ------------------------------------------------------------------------
 async def _models(request):
     st = request.app[STATE_KEY]
     for b in st["backends"]:
         if b.healthy:
             try:
-                async with st["session"].get(f"{b.url}/v1/models") as r:
+                async with st["session"].get(f"{b.url}/v1/models", headers=_upstream_headers(request)) as r:
                     return web.Response(body=await r.read(), status=r.status,
                                         headers={"Content-Type": r.headers.get("Content-Type",
                                                                                "application/json")})
