@@ -18,6 +18,19 @@ def find_stop(text: str, stops: Sequence[str]) -> int | None:
     return min(found) if found else None
 
 
+def find_stop_end(text: str, stops: Sequence[str]) -> int | None:
+    """Where ``text`` must end with ``include_stop_str_in_output``: just after the
+    earliest stop string (None: no stop string occurs)."""
+    found = [(i, i + len(s)) for i, s in ((text.find(s), s) for s in stops) if i >= 0]
+    return min(found)[1] if found else None
+
+
+def cut_at(text: str, params) -> int | None:
+    """Where a text ends by ``params.stop`` (None: it does not): before the stop
+    string, or after it with ``params.include_stop_str_in_output``."""
+    return (find_stop_end if params.include_stop_str_in_output else find_stop)(text, params.stop)
+
+
 def holdback(stops: Sequence[str]) -> int:
     """Characters a stream keeps back at the end of its text: a suffix this long
     may be the start of a stop string still being generated."""
