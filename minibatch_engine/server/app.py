@@ -201,10 +201,19 @@ async def _generate(request, chat: bool):
 
 
 def _decoder(llm: AsyncLLM):
-    """Token ids -> text for the logprobs fields (``token_id:N`` without a tokenizer, as vLLM names them)."""
+    """Token ids -> text: a token's name in the logprobs fields, or a prompt's
+    text. A lone token whose text is not valid UTF-8 (one byte of a character)
+    and every token of a model without a tokenizer are named ``token_id:N``, as
+    vLLM names tokens with ``return_tokens_as_token_ids``: distinct tokens keep
+    distinct names."""
     if llm.tokenizer is None:
         return lambda ids: "".join(f"token_id:{t}" for t in ids)
-    return llm.tokenizer.decode
+    decode = llm.tokenizer.decode
+
+    def name(ids):
+        text = decode(ids)
+        return f"token_id:{ids[0]}" if len(ids) == 1 and (not text or "\ufffd" in text) else text
+    return name
 
 
 def _prompt_text(req, prompts, i: int, decode) -> str:

@@ -32,7 +32,7 @@ REFUSED_BOTH = {
     "cache_salt": (None,), "request_id": (None,), "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "service_tier": (None, "auto", "default"),
     "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
-    "web_search_options": (None,), "reasoning_effort": (None,), "logit_bias_type": (None,),
+    "web_search_options": (None,), "reasoning_effort": (None,),
     "best_of": (None,),            # checked against n by the protocol
 }
 REFUSED_CHAT = {"echo": (None, False), "chat_template": (None,), "chat_template_kwargs": (None, {}),
