@@ -65,18 +65,27 @@ class StreamOutput:
     a new token: ended from outside (``finish_reason == "abort"``), or failed in
     its own step (``"error"``, e.g. its sampling; the other streams go on). ``text`` is the text this token adds (None
     without a tokenizer; empty while a multi-byte character is incomplete).
-    ``finish_reason`` is set on the last output only."""
+    ``finish_reason`` is set on the last output only; ``error`` says why when
+    it is ``"error"`` (None otherwise)."""
     request_id: str
     token_id: int | None
     text: str | None
     index: int                      # how many output tokens the request has, this one included
     finish_reason: str | None = None
+    error: str | None = None
     logprobs: tuple | None = None   # this token's entry (SamplingParams.logprobs; minibatch_engine.logprobs)
     prompt_logprobs: list | None = None   # on the first output: the prompt's entries (prompt_logprobs)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def _error(req: Request, reason: str | None) -> str | None:
+    """Why a request failed in its own step (``finish_reason="error"``)."""
+    if reason != str(FinishReason.ERROR):
+        return None
+    return req.error or "the request failed in the engine (no message was recorded)"
 
 
 @dataclass
@@ -343,7 +352,7 @@ class AsyncLLM:
                 text, stopped = self._text_delta(st, decode, last)
                 reason = "stop" if stopped else str(req.finish_reason) if last else None
                 st.queue.put_nowait(StreamOutput(
-                    req.request_id, tok, text, st.sent, reason,
+                    req.request_id, tok, text, st.sent, reason, _error(req, reason),
                     None if req.logprobs is None else req.logprobs[st.sent - 1],
                     req.prompt_logprobs if st.sent == 1 else None))
                 if stopped:                     # a stop string: the engine need not go on
@@ -352,7 +361,8 @@ class AsyncLLM:
                     break
             if reason is None and req.is_finished:     # ended without a new token: aborted
                 reason = str(req.finish_reason or FinishReason.ABORT)
-                st.queue.put_nowait(StreamOutput(req.request_id, None, "" if decode else None, st.sent, reason))
+                st.queue.put_nowait(StreamOutput(req.request_id, None, "" if decode else None, st.sent, reason,
+                                                 _error(req, reason)))
             if reason is not None:
                 it.finished_requests.append(FinishedRequestStats(
                     reason, st.num_prompt_tokens, st.sent, now - st.submitted, st.queued))

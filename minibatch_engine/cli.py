@@ -82,8 +82,8 @@ def _bench_args(p: argparse.ArgumentParser, simulate: bool, sweep: bool = False,
     """The options of bench, simulate and sweep; ``serve``: the engine options alone."""
     p.add_argument("--scheduler", choices=SCHEDULER_NAMES, default="continuous",
                    help="static (padded batches) or continuous (iteration-level)")
-    p.add_argument("--max-batch", type=int, default=256, help="most sequences per step (max_num_seqs)")
-    p.add_argument("--max-model-len", type=int, default=None,
+    p.add_argument("--max-batch", type=positive_int, default=256, help="most sequences per step (max_num_seqs)")
+    p.add_argument("--max-model-len", type=_checked(int, lambda v: v >= 2, "an integer >= 2"), default=None,
                    help="longest prompt + output (default: min(model max_position, 1024))")
     if serve:
         _engine_args(p, simulate)
@@ -117,7 +117,7 @@ def _sim_args(p: argparse.ArgumentParser, simulate: bool) -> None:
                    help="time every step with the simulator's cost model of this GPU (operators as measured)")
     p.add_argument("--sim-model", choices=sorted(PRESETS), default="llama-3-8b" if simulate else None,
                    help="model shape the simulator prices")
-    p.add_argument("--tp", type=int, default=1, metavar="N",
+    p.add_argument("--tp", type=positive_int, default=1, metavar="N",
                    help="simulator only: tensor parallelism over N GPUs (weights, KV heads, projections sharded)")
 
 
@@ -125,11 +125,11 @@ def _engine_args(p: argparse.ArgumentParser, simulate: bool) -> None:
     """KV cache, token budget, preemption, policy, speculative decoding."""
     p.add_argument("--kv", choices=KV_LAYOUTS, default=None,
                    help="KV cache layout (default: paged; reserved with --scheduler static)")
-    p.add_argument("--kv-budget", type=int, default=None, metavar="BYTES",
+    p.add_argument("--kv-budget", type=positive_int, default=None, metavar="BYTES",
                    help="KV cache memory in bytes (default: max-batch x max-model-len tokens, capped by memory)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (paged)")
+    p.add_argument("--block-size", type=positive_int, default=16, help="tokens per KV block (paged)")
     p.add_argument("--no-prefix-caching", action="store_true", help="paged: do not share prompt prefixes")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, metavar="T",
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=None, metavar="T",
                    help="per-step token budget (default: 2048, continuous scheduler only)")
     p.add_argument("--no-chunked-prefill", action="store_true",
                    help="wait until a prompt fits the budget whole instead of chunking it")
@@ -251,6 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a Jinja chat template (default: the checkpoint's own, else the byte-level layout)")
     sv.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0, metavar="S",
                     help="on SIGTERM, seconds the requests in flight may take to finish before they are aborted")
+    _connection_args(sv)
     _bench_args(sv, False, serve=True)
     _route_args(sub)
     return parser
@@ -280,6 +281,36 @@ def _route_args(sub) -> None:
     rt.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     rt.add_argument("--port", type=_checked(int, lambda v: 0 <= v < 65536, "a port in [0, 65535]"),
                     default=8080, help="TCP port")
+    _connection_args(rt)
+
+
+def _connection_args(p: argparse.ArgumentParser) -> None:
+    """What serve and route allow a client connection (server/limits.py)."""
+    g = p.add_argument_group("client connections (slow or idle clients cannot hold the server)")
+    g.add_argument("--header-timeout", type=positive_float, default=30.0, metavar="S",
+                   help="close a connection that has not sent a whole request head S seconds after it "
+                        "opened or after its previous response (idle keep-alive connections too)")
+    g.add_argument("--body-timeout", type=positive_float, default=60.0, metavar="S",
+                   help="answer 408 and close when a request body has not all arrived S seconds after "
+                        "its headers")
+    g.add_argument("--max-connections", type=positive_int, default=1024, metavar="N",
+                   help="at N open connections a new one closes the oldest idle (or still sending its "
+                        "headers); if all N are serving requests, the new one gets 503 with Retry-After")
+
+
+def _limits(args):
+    from .server.limits import ConnectionLimits
+    return ConnectionLimits(args.header_timeout, args.body_timeout, args.max_connections)
+
+
+def _check_host(host: str, port: int) -> None:
+    """Refuse an address to listen on that does not resolve, before the model is built."""
+    import socket
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except (socket.gaierror, UnicodeError) as e:
+        raise ValueError(f"--host {host!r} is not an address this machine can listen on ({e}); "
+                         "e.g. 127.0.0.1, 0.0.0.0 or ::1") from None
 
 
 def main(argv=None) -> int:
@@ -304,8 +335,24 @@ def main(argv=None) -> int:
         msg = e.args[0] if isinstance(e, KeyError) and e.args else e
         if isinstance(e, OSError) and e.filename is not None:      # e.g. --json naming a directory
             msg = f"{e.strerror}: {e.filename}"
-        print(f"error: {msg}", file=sys.stderr)
+        print(f"error: {_flag_names(str(msg), args.command)}", file=sys.stderr)
         return 2
+
+
+# the engine's field names, as the engine's own checks name them -> the flags that set them
+FLAG_OF_FIELD = {"max_num_seqs": "--max-batch", "max_model_len": "--max-model-len", "kv_budget_bytes": "--kv-budget",
+                 "block_size": "--block-size", "max_num_batched_tokens": "--max-num-batched-tokens",
+                 "tensor_parallel_size": "--tp", "swap_space_bytes": "--swap-space",
+                 "priority_aging_s": "--priority-aging-s", "num_speculative_tokens": "--num-speculative-tokens",
+                 "preemption_mode": "--preemption", "kv_layout": "--kv"}
+
+
+def _flag_names(msg: str, command: str) -> str:
+    """An engine error as the CLI user knows it: each field named by its flag."""
+    import re
+    if command == "route":                  # the router's options are not the engine's
+        return msg
+    return re.sub(r"\b(" + "|".join(FLAG_OF_FIELD) + r")\b", lambda m: FLAG_OF_FIELD[m.group(1)], msg)
 
 
 def _check_output_paths(args) -> None:
@@ -319,6 +366,22 @@ def _check_output_paths(args) -> None:
             raise ValueError(f"--{flag} {path}: is a directory; name a file")
         if not os.path.isdir(parent):
             raise ValueError(f"--{flag} {path}: the folder {parent} does not exist")
+        if not _writable(path, parent):
+            raise ValueError(f"--{flag} {path}: cannot write there (no permission); name a file in a "
+                             "writable folder")
+
+
+def _writable(path: str, parent: str) -> bool:
+    """Whether ``path`` can be written: tried for real (a probe file in its folder),
+    since permission bits say nothing of read-only mounts or of root."""
+    import tempfile
+    if os.path.exists(path):
+        return os.access(path, os.W_OK)
+    try:
+        with tempfile.NamedTemporaryFile(dir=parent, prefix=".minibatch-probe-"):
+            return True
+    except OSError:
+        return False
 
 
 def _generate(args) -> int:
@@ -365,8 +428,9 @@ def _serve(args) -> int:
     except ImportError as e:
         raise ValueError(f"serve needs the serve extra ({e.name} is missing): "
                          "pip install 'minibatch-engine[serve]'") from None
+    _check_host(args.host, args.port)
     app = make_app(args.model, served_model_name=args.served_model_name, max_waiting=args.max_waiting_requests,
-                   chat_template=args.chat_template, device=args.device, dtype=args.dtype,
+                   chat_template=args.chat_template, limits=_limits(args), device=args.device, dtype=args.dtype,
                    scheduler=args.scheduler, max_num_seqs=args.max_batch, max_model_len=args.max_model_len,
                    attention_backend=args.attention_backend, cpu_threads=args.cpu_threads,
                    **_engine_options(args), **_spec_option(args))
@@ -380,8 +444,10 @@ def _route(args) -> int:
     except ImportError as e:
         raise ValueError(f"route needs the serve extra ({e.name} is missing): "
                          "pip install 'minibatch-engine[serve]'") from None
+    _check_host(args.host, args.port)
     app = build_router_app(args.backend, policy=args.policy, max_imbalance=args.max_imbalance,
-                           model=args.model, block_size=args.block_size, poll_interval=args.poll_interval)
+                           model=args.model, block_size=args.block_size, poll_interval=args.poll_interval,
+                           limits=_limits(args))
     route(app, host=args.host, port=args.port)
     return 0
 
@@ -407,10 +473,21 @@ def _sweep(args) -> int:
     return _sweep_report(args, rows, ps, slo, args.scheduler)
 
 
+def _check_endpoint(args) -> None:
+    """--endpoint: a well-formed URL, and no option that only the simulator reads."""
+    from .endpoint_client import base_url
+    base_url(args.endpoint, "--endpoint")
+    sim = [f for f, v in (("--sim-gpu", args.sim_gpu), ("--sim-model", args.sim_model)) if v is not None]
+    if sim:
+        raise ValueError(f"--endpoint measures a real server on the wall clock; {' and '.join(sim)} would "
+                         "price a simulated GPU instead: drop one or the other")
+
+
 def _sweep_endpoint(args) -> int:
     from .endpoint_client import sweep_endpoint
     from .metrics import parse_goodput, parse_percentiles
     from .sweep import parse_rates
+    _check_endpoint(args)
     rates, ps, slo = parse_rates(args.rates), parse_percentiles(args.percentiles), parse_goodput(args.goodput)
     rows = sweep_endpoint(args.endpoint, rates, model=args.model, workload=args.workload,
                           num_requests=args.num_requests, seed=args.seed, burstiness=args.burstiness,
@@ -522,6 +599,7 @@ def _cluster(args) -> int:
 def _bench_endpoint(args) -> int:
     from .bench import format_report, write_json
     from .endpoint_client import bench_endpoint
+    _check_endpoint(args)
     if args.clients or args.workload == "mixed-classes" or args.vs_transformers or args.plot:
         raise ValueError("--endpoint measures one stream of requests: drop --clients, --vs-transformers, "
                          "--plot and the mixed-classes workload")

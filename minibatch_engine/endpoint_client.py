@@ -51,9 +51,27 @@ def _aiohttp():
     return aiohttp
 
 
-def _base(url: str) -> str:
+def base_url(url: str, what: str = "--endpoint") -> str:
+    """A server's base URL (no trailing ``/`` nor ``/v1``), or ValueError naming
+    ``what`` when it is not ``http(s)://HOST[:PORT][/PATH]``."""
+    from urllib.parse import urlsplit
+    def bad(detail: str = "") -> ValueError:
+        return ValueError(f"{what} {url!r} is a malformed URL{detail}: expected http://HOST[:PORT] "
+                          "(e.g. http://127.0.0.1:8000)")
+    if not isinstance(url, str):
+        raise bad()
+    try:
+        parts = urlsplit(url)
+        parts.port                              # noqa: B018  (a port out of range raises here)
+    except ValueError as e:
+        raise bad(f" ({e})") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+        raise bad()
     url = url.rstrip("/")
     return url[:-3] if url.endswith("/v1") else url
+
+
+_base = base_url
 
 
 async def served_model(session, url: str, wanted: str | None) -> str:

@@ -6,6 +6,8 @@ of an :class:`~minibatch_engine.async_llm.AsyncLLM`.
 * :mod:`.metrics`: ``/metrics`` in Prometheus's format, vLLM's names;
 * :mod:`.app`: the routes (aiohttp);
 * :mod:`.launch`: the foreground server (signals) and :class:`ServerThread`.
+* :mod:`.limits`: header and body deadlines and a bound on open connections
+  (``serve`` and ``route`` both).
 * :mod:`.router_app`: ``minibatch-engine route``, an OpenAI-compatible router in
   front of several servers, with chapter 12's policies.
 

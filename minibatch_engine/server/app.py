@@ -11,13 +11,22 @@ The handler is the only place that touches HTTP; the engine loop
 (``AsyncLLM``) steps the engine in its own thread. A client that goes away
 cancels its handler (aiohttp's ``handler_cancellation``), which closes its
 streams, which abort their requests: their KV blocks are free before the
-next step. A full waiting queue answers 503 with ``Retry-After``.
+next step. A full waiting queue answers 503 with ``Retry-After``; a request
+that could never fit under the bound (prompts x ``n`` above it) answers 400.
+
+Admission is counted once and given back once, on every path: a request's
+engine requests count as waiting from the moment the handler admits them
+(:class:`Admission`) until each is in the engine's inbox, or until the handler
+ends, however it ends (finished, refused, aborted, or a client that left before
+the response headers went out).
 """
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
+from contextlib import aclosing
 from typing import AsyncIterator
 
 from aiohttp import web
@@ -25,9 +34,11 @@ from aiohttp import web
 from ..async_llm import AsyncLLM, StreamOutput
 from ..inputs import encode_text
 from .chat_template import byte_level_chat
+from .limits import ConnectionLimits, read_body
 from .metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from ..logits_process import with_bad_words
-from .protocol import APIError, GenerationRequest, choice, new_id, parse_request, response, usage
+from .protocol import (APIError, GenerationRequest, choice, new_id, parse_json, parse_request, response,
+                       usage)
 from .request_fields import chat_logprobs, completion_logprobs, prompt_logprobs_json
 
 LLM_KEY = web.AppKey("llm", AsyncLLM)
@@ -35,12 +46,14 @@ STATE_KEY = web.AppKey("state", dict)
 
 
 def build_app(llm: AsyncLLM, model_name: str, max_waiting: int = 1024, chat_template=byte_level_chat,
-              metrics: PrometheusStatLogger | None = None, shutdown_timeout: float = 30.0) -> web.Application:
+              metrics: PrometheusStatLogger | None = None, shutdown_timeout: float = 30.0,
+              limits: ConnectionLimits | None = None) -> web.Application:
     """The aiohttp application. ``llm``'s stat loggers get the Prometheus one.
     ``max_waiting``: a request that would make more than this many requests
-    wait is refused with 503. On shutdown the requests in flight get
-    ``shutdown_timeout`` seconds to finish, then are aborted, and the engine
-    loop stops."""
+    wait is refused with 503 (one that asks for more than this many at once,
+    with 400). On shutdown the requests in flight get ``shutdown_timeout``
+    seconds to finish, then are aborted, and the engine loop stops.
+    ``limits``: the connection deadlines and bound (:mod:`.limits`)."""
     if metrics is None:
         metrics = PrometheusStatLogger(model_name)
     llm.stat_loggers.append(metrics)
@@ -48,7 +61,7 @@ def build_app(llm: AsyncLLM, model_name: str, max_waiting: int = 1024, chat_temp
     app[LLM_KEY] = llm
     app[STATE_KEY] = {"model": model_name, "max_waiting": max_waiting, "chat_template": chat_template,
                       "metrics": metrics, "created": int(time.time()), "in_flight": 0, "starting": 0,
-                      "drain_timeout": shutdown_timeout}
+                      "drain_timeout": shutdown_timeout, "limits": limits or ConnectionLimits()}
     app.add_routes([web.post("/v1/completions", _completions), web.post("/v1/chat/completions", _chat),
                     web.get("/v1/models", _models), web.get("/health", _health),
                     web.get("/metrics", _metrics), web.get("/version", _version)])
@@ -62,10 +75,20 @@ async def _errors(request, handler):
     try:
         return await handler(request)
     except APIError as e:
-        headers = {"Retry-After": "1"} if e.status == 503 else None
-        return web.json_response(e.body(), status=e.status, headers=headers)
+        return error_response(e)
+    except ConnectionResetError:                # the client left while its body was read: nothing to answer
+        return web.Response(status=499, reason="Client Closed Request")
     except (ValueError, TypeError) as e:            # the engine refused what the checks let through
         return web.json_response(APIError(str(e)).body(), status=400)
+
+
+def error_response(e: APIError) -> web.Response:
+    """``e`` in OpenAI's shape; 503 adds ``Retry-After``; 408 (a body that never
+    came whole) closes the connection."""
+    resp = web.json_response(e.body(), status=e.status, headers={"Retry-After": "1"} if e.status == 503 else None)
+    if e.status == 408:
+        resp.force_close()
+    return resp
 
 
 async def _drain(app: web.Application) -> None:
@@ -106,7 +129,8 @@ async def _version(request):
 
 async def _metrics(request):
     st = request.app[STATE_KEY]
-    st["metrics"].set_gauges(request.app[LLM_KEY].scheduler_stats())
+    stats = request.app[LLM_KEY].scheduler_stats()          # waiting: admitted by a handler counts too
+    st["metrics"].set_gauges(dataclasses.replace(stats, num_waiting_reqs=stats.num_waiting_reqs + st["starting"]))
     return web.Response(body=st["metrics"].exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
@@ -125,11 +149,8 @@ def _limit(llm: AsyncLLM) -> int:
 
 
 async def _read(request, chat: bool) -> GenerationRequest:
-    try:
-        body = await request.json()
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise APIError("the request body is not valid JSON") from None
-    return parse_request(body, chat)
+    raw = await read_body(request, request.app[STATE_KEY]["limits"].body_timeout)
+    return parse_request(parse_json(raw), chat)
 
 
 def _encode(llm: AsyncLLM, req: GenerationRequest, template) -> list[list[int]]:
@@ -180,23 +201,28 @@ async def _generate(request, chat: bool):
     prompts = _encode(llm, req, st["chat_template"])
     if llm._error is not None:
         raise APIError("the engine loop has failed", status=503)
+    wanted, bound = len(prompts) * req.n, st["max_waiting"]
+    if wanted > bound:                           # never admissible: a retry would loop for ever
+        raise APIError(f"this request asks for {len(prompts)} prompt(s) x n={req.n} = {wanted} sequences, "
+                       f"more than this server ever lets wait (--max-waiting-requests {bound}): send fewer "
+                       "prompts or a smaller n", "n" if req.n > 1 else "prompt")
     waiting = llm.num_waiting + st["starting"]
-    if waiting + len(prompts) * req.n > st["max_waiting"]:
+    if waiting + wanted > bound:
         raise APIError(f"the server is busy: {waiting} requests are waiting (the bound is "
-                       f"{st['max_waiting']}); retry later", status=503)
+                       f"{bound}); retry later", status=503)
     if not req.max_tokens_given:               # chat: the room left (vLLM's default); completions: 16 if it fits
-        import dataclasses
         room = _limit(llm) - max(len(p) for p in prompts)
         req.params = dataclasses.replace(req.params, max_tokens=room if chat else min(16, room))
     rid = new_id(chat)
     jobs = [(i * req.n + k, ids, req.choice_params(k)) for i, ids in enumerate(prompts) for k in range(req.n)]
     st["in_flight"] += 1
-    st["starting"] += len(jobs)         # admitted, not yet in the engine's inbox (see _merged)
+    admission = Admission(st, len(jobs))
     try:
         if req.stream:
-            return await _stream(request, req, rid, prompts, jobs, st)
-        return await _whole(req, rid, prompts, jobs, st, llm)
+            return await _stream(request, req, rid, prompts, jobs, st, admission)
+        return await _whole(req, rid, prompts, jobs, st, llm, admission)
     finally:
+        admission.release()
         st["in_flight"] -= 1
 
 
@@ -234,24 +260,42 @@ def _logprobs_json(req, prompts, i: int, ids: list, entries: list, prompt_entrie
     return completion_logprobs(ids, entries, n, decode, offset)
 
 
-async def _merged(llm: AsyncLLM, rid: str, jobs, priority: int, st: dict) -> AsyncIterator[tuple[int, StreamOutput]]:
+class Admission:
+    """Engine requests a handler admitted that are not yet in the engine's inbox
+    (``state["starting"]``): they count toward ``max_waiting``. Each is given
+    back exactly once: by :meth:`submitted` when its stream puts it in the inbox
+    (from then on ``AsyncLLM.num_waiting`` counts it), or by :meth:`release`
+    when the handler ends, whatever way it ends."""
+
+    def __init__(self, state: dict, n: int):
+        self.state, self.left = state, n
+        state["starting"] += n
+
+    def submitted(self) -> None:
+        if self.left:
+            self.left -= 1
+            self.state["starting"] -= 1
+
+    def release(self) -> None:
+        self.state["starting"] -= self.left
+        self.left = 0
+
+
+async def _merged(llm: AsyncLLM, rid: str, jobs, priority: int,
+                  admission: Admission) -> AsyncIterator[tuple[int, StreamOutput]]:
     """Every choice's outputs as they come, tagged with the choice's index.
-    Leaving early (or being cancelled) cancels every choice's stream."""
+    Leaving early (or being cancelled) cancels every choice's stream; close it
+    (``aclosing``) so that happens at once, not when it is garbage-collected."""
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(index, ids, params):
-        counted = True
         try:
             outs = llm.stream(ids, params, request_id=f"{rid}-{index}", priority=priority)
-            st["starting"] -= 1                 # the first step of the loop below puts it in the inbox,
-            counted = False                     # with no await in between: the count stays exact
-            async for out in outs:
+            admission.submitted()               # the first step of the loop below puts it in the inbox,
+            async for out in outs:              # with no await in between: the count stays exact
                 queue.put_nowait((index, out))
         except Exception as e:                  # noqa: BLE001  (handed to the consumer)
             queue.put_nowait((index, e))
-        finally:
-            if counted:                         # cancelled before it started
-                st["starting"] -= 1
     tasks = [asyncio.create_task(pump(*job)) for job in jobs]
     try:
         left = len(tasks)
@@ -267,19 +311,20 @@ async def _merged(llm: AsyncLLM, rid: str, jobs, priority: int, st: dict) -> Asy
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _whole(req, rid, prompts, jobs, st, llm):
+async def _whole(req, rid, prompts, jobs, st, llm, admission):
     model = st["model"]
     texts, counts, reasons, ids, entries, prompt_entries = {}, {}, {}, {}, {}, {}
-    async for i, out in _merged(llm, rid, jobs, req.priority, st):
-        texts[i] = texts.get(i, "") + (out.text or "")
-        counts[i] = counts.get(i, 0) + (out.token_id is not None)
-        if out.token_id is not None:
-            ids.setdefault(i, []).append(out.token_id)
-            entries.setdefault(i, []).append(out.logprobs)
-        if out.prompt_logprobs is not None:
-            prompt_entries[i] = out.prompt_logprobs
-        if out.finished:
-            reasons[i] = out.finish_reason
+    async with aclosing(_merged(llm, rid, jobs, req.priority, admission)) as outs:
+        async for i, out in outs:
+            texts[i] = texts.get(i, "") + (out.text or "")
+            counts[i] = counts.get(i, 0) + (out.token_id is not None)
+            if out.token_id is not None:
+                ids.setdefault(i, []).append(out.token_id)
+                entries.setdefault(i, []).append(out.logprobs)
+            if out.prompt_logprobs is not None:
+                prompt_entries[i] = out.prompt_logprobs
+            if out.finished:
+                reasons[i] = out.finish_reason
     decode = _decoder(llm)
     choices = []
     for i in range(len(jobs)):
@@ -296,41 +341,52 @@ async def _whole(req, rid, prompts, jobs, st, llm):
                                       usage_=usage(sum(map(len, prompts)), sum(counts.values()))))
 
 
-async def _stream(request, req, rid, prompts, jobs, st):
+async def _stream(request, req, rid, prompts, jobs, st, admission):
+    """Server-sent events, one chunk per token. A client that leaves at any
+    point (before the headers, mid-stream, before ``[DONE]``) ends it quietly:
+    its streams close, which aborts their requests; it is not a server error.
+    A choice that fails in its own step ends with ``finish_reason`` "error",
+    followed by an error event that says why (the other choices go on)."""
     model = st["model"]
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
     created, tokens = int(time.time()), 0
     decode, offsets = _decoder(request.app[LLM_KEY]), {}
 
     async def send(obj) -> None:
         await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
-    if req.chat:                                 # vLLM's first chunk: the role, no content
-        await send(response(rid, model, [choice(i, "", None, True, delta=True, first=True)
-                                         for i in range(len(jobs))], True, chunk=True, created=created))
     try:
-        async for i, out in _merged(request.app[LLM_KEY], rid, jobs, req.priority, st):
-            tokens += out.token_id is not None
-            if req.echo and i not in offsets:                # the prompt first, as vLLM streams an echo
-                text = _prompt_text(req, prompts, i, decode)
-                lps = _logprobs_json(req, prompts, i, [], [], out.prompt_logprobs, decode)
-                offsets[i] = len(text)
-                await send(response(rid, model, [choice(i, text, None, False, logprobs=lps)], False,
-                                    chunk=True, created=created))
-            if out.token_id is not None or out.finished:     # one chunk per token, as vLLM streams
-                lps = None
-                if out.token_id is not None and out.logprobs is not None:
-                    lps = _logprobs_json(req, prompts, i, [out.token_id], [out.logprobs], None, decode,
-                                         offsets.get(i, 0))
-                    offsets[i] = offsets.get(i, 0) + len(out.text or "")
-                await send(response(rid, model, [choice(i, out.text or "", out.finish_reason, req.chat,
-                                                        delta=True, logprobs=lps)], req.chat, chunk=True,
-                                    created=created))
-    except (ValueError, TypeError) as e:         # refused by the engine after the headers went out
-        await send(APIError(str(e)).body())
-    if req.include_usage:
-        await send(response(rid, model, [], req.chat, chunk=True, created=created,
-                            usage_=usage(sum(map(len, prompts)), tokens)))
-    await resp.write(b"data: [DONE]\n\n")
-    await resp.write_eof()
+        await resp.prepare(request)
+        if req.chat:                             # vLLM's first chunk: the role, no content
+            await send(response(rid, model, [choice(i, "", None, True, delta=True, first=True)
+                                             for i in range(len(jobs))], True, chunk=True, created=created))
+        try:
+            async with aclosing(_merged(request.app[LLM_KEY], rid, jobs, req.priority, admission)) as outs:
+                async for i, out in outs:
+                    tokens += out.token_id is not None
+                    if req.echo and i not in offsets:        # the prompt first, as vLLM streams an echo
+                        text = _prompt_text(req, prompts, i, decode)
+                        lps = _logprobs_json(req, prompts, i, [], [], out.prompt_logprobs, decode)
+                        offsets[i] = len(text)
+                        await send(response(rid, model, [choice(i, text, None, False, logprobs=lps)], False,
+                                            chunk=True, created=created))
+                    if out.token_id is not None or out.finished:     # one chunk per token, as vLLM streams
+                        lps = None
+                        if out.token_id is not None and out.logprobs is not None:
+                            lps = _logprobs_json(req, prompts, i, [out.token_id], [out.logprobs], None,
+                                                 decode, offsets.get(i, 0))
+                            offsets[i] = offsets.get(i, 0) + len(out.text or "")
+                        await send(response(rid, model, [choice(i, out.text or "", out.finish_reason, req.chat,
+                                                                delta=True, logprobs=lps)], req.chat,
+                                            chunk=True, created=created))
+                    if out.finish_reason == "error":     # that choice failed in its own step: say why
+                        await send(APIError(f"choice {i}: {out.error}", status=500).body())
+        except (ValueError, TypeError) as e:     # refused by the engine after the headers went out
+            await send(APIError(str(e)).body())
+        if req.include_usage:
+            await send(response(rid, model, [], req.chat, chunk=True, created=created,
+                                usage_=usage(sum(map(len, prompts)), tokens)))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+    except ConnectionResetError:                 # the client left: nothing more to send, nothing to log
+        pass
     return resp

@@ -49,6 +49,10 @@ def load_chat_template(source=None, path: str | None = None) -> Callable[[list[d
         import jinja2
     except ImportError:
         raise ValueError("this chat template is Jinja: pip install jinja2") from None
-    template = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(text)
+    try:
+        template = jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(text)
+    except jinja2.TemplateSyntaxError as e:
+        where = f"--chat-template {path}" if path is not None else f"the chat template of {source}"
+        raise ValueError(f"{where}: Jinja syntax error on line {e.lineno}: {e.message}") from None
     return lambda messages, add_generation_prompt=True: template.render(
         messages=messages, add_generation_prompt=add_generation_prompt, bos_token="", eos_token="")

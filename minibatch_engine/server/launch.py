@@ -5,6 +5,9 @@ SIGTERM (or Ctrl-C) drains: the server stops accepting connections, lets the
 requests in flight finish for up to ``shutdown_timeout`` seconds, then aborts
 what is left (their KV memory goes back), stops the engine loop and exits 0,
 printing what it drained and what it aborted.
+
+Both run with the application's :class:`~.limits.ConnectionLimits` (header
+and body deadlines, a bound on open connections), kept in its state.
 """
 from __future__ import annotations
 
@@ -17,19 +20,26 @@ from aiohttp import web
 from ..async_llm import AsyncLLM
 from .app import LLM_KEY, STATE_KEY, build_app
 from .chat_template import load_chat_template
+from .limits import ConnectionLimits, make_runner, run_forever, start_site
 
 DEFAULT_HISTORY = 4096      # steps of trace a server keeps (bounded memory: AsyncLLM's history)
 
 
 def make_app(model="tiny", served_model_name: str | None = None, max_waiting: int = 1024,
              chat_template: str | None = None, history: int | None = DEFAULT_HISTORY,
-             **llm_options) -> web.Application:
+             limits: ConnectionLimits | None = None, **llm_options) -> web.Application:
     """Build the model, an :class:`AsyncLLM` around it and the application.
-    ``llm_options`` are AsyncLLM's (``device``, ``dtype``, engine options)."""
+    ``llm_options`` are AsyncLLM's (``device``, ``dtype``, engine options).
+    The chat template is read (and its syntax checked) before the model is built."""
+    if served_model_name is not None and not (isinstance(served_model_name, str) and served_model_name.strip()):
+        raise ValueError(f"--served-model-name must be a non-empty name, got {served_model_name!r}")
+    source = model if isinstance(model, str) else None
+    template = load_chat_template(source, chat_template) if chat_template is not None else None
     llm = AsyncLLM(model, history=history, **llm_options)
     name = served_model_name or (model if isinstance(model, str) else llm.model.config.name)
-    template = load_chat_template(getattr(llm.model, "source", None), chat_template)
-    return build_app(llm, name, max_waiting=max_waiting, chat_template=template)
+    if template is None:
+        template = load_chat_template(getattr(llm.model, "source", None))
+    return build_app(llm, name, max_waiting=max_waiting, chat_template=template, limits=limits)
 
 
 def _log(msg: str) -> None:
@@ -54,10 +64,10 @@ def serve(app: web.Application, host: str = "127.0.0.1", port: int = 8000,
           shutdown_timeout: float = 30.0) -> None:
     """Run in the foreground until SIGTERM or SIGINT (the module doc)."""
     _on_shutdown_report(app)
-    app[STATE_KEY]["drain_timeout"] = shutdown_timeout
-    _log(f"serving {app[STATE_KEY]['model']!r} on http://{host}:{port}/v1")
-    web.run_app(app, host=host, port=port, shutdown_timeout=shutdown_timeout, handler_cancellation=True,
-                print=None, access_log=None)
+    st = app[STATE_KEY]
+    st["drain_timeout"] = shutdown_timeout
+    _log(f"serving {st['model']!r} on http://{host}:{port}/v1")
+    run_forever(app, host, port, st["limits"], shutdown_timeout)
 
 
 class ServerThread:
@@ -91,12 +101,12 @@ class ServerThread:
     def _main(self) -> None:
         asyncio.set_event_loop(self.loop)
         try:
-            self.app[STATE_KEY]["drain_timeout"] = self.shutdown_timeout
-            self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None,
-                                        shutdown_timeout=self.shutdown_timeout)
+            state = self.app.get(STATE_KEY, {})      # (any aiohttp application will do)
+            state["drain_timeout"] = self.shutdown_timeout
+            limits = state.get("limits", ConnectionLimits())
+            self.runner = make_runner(self.app, limits, self.shutdown_timeout)
             self.loop.run_until_complete(self.runner.setup())
-            site = web.TCPSite(self.runner, self.host, self.port)
-            self.loop.run_until_complete(site.start())
+            site, self.guard = self.loop.run_until_complete(start_site(self.runner, self.host, self.port, limits))
             self.port = site._server.sockets[0].getsockname()[1]
         except BaseException as e:          # noqa: BLE001  (reported by start())
             self._error = e

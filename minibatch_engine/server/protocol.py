@@ -14,7 +14,9 @@ does.
 """
 from __future__ import annotations
 
+import json
 import math
+import sys
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -28,8 +30,8 @@ MAX_N = 128                     # most choices per request
 class APIError(Exception):
     """An error with its HTTP status, answered in OpenAI's error shape."""
 
-    TYPES = {400: "invalid_request_error", 404: "not_found_error", 503: "service_unavailable_error",
-             500: "internal_server_error"}
+    TYPES = {400: "invalid_request_error", 404: "not_found_error", 408: "timeout_error",
+             500: "internal_server_error", 502: "server_error", 503: "service_unavailable_error"}
 
     def __init__(self, message: str, param: str | None = None, status: int = 400):
         super().__init__(message)
@@ -63,6 +65,21 @@ class GenerationRequest:
         import dataclasses
         p = self.params
         return p if k == 0 or p.seed is None else dataclasses.replace(p, seed=p.seed + k)
+
+
+def parse_json(raw: bytes):
+    """A request body as JSON; :class:`APIError` (400) naming what is wrong with
+    it: not JSON, nested too deeply for the parser, or an integer too long to
+    read (Python converts at most ``sys.get_int_max_str_digits()`` digits)."""
+    try:
+        return json.loads(raw)
+    except RecursionError:
+        raise APIError("the request body's JSON is nested too deeply to read") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(f"the request body is not valid JSON ({e})") from None
+    except ValueError:                      # int('9' * 5000): past Python's conversion limit
+        raise APIError(f"the request body has an integer of more than {sys.get_int_max_str_digits()} "
+                       "digits") from None
 
 
 def _int(body: dict, name: str, default, low: int | None = None, high: int | None = None):

@@ -49,8 +49,10 @@ from aiohttp import web
 
 from ..cluster.prefix_index import PrefixIndex, block_hashes
 from ..cluster.router import ReplicaState, RouterPolicy, make_router
+from .app import error_response
 from .launch import STATE_KEY
-from .protocol import APIError
+from .limits import ConnectionLimits, read_body, run_forever
+from .protocol import APIError, parse_json
 
 PREFIX = "minibatch_router:"
 KV_GAUGES = ("minibatch:kv_cache_usage_perc", "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
@@ -75,22 +77,22 @@ class Backend:
 
 
 def _base(url: str) -> str:
-    if not isinstance(url, str) or not url.startswith(("http://", "https://")):
-        raise ValueError(f"a backend must be an http:// or https:// URL, got {url!r}")
-    url = url.rstrip("/")
-    return url[:-3] if url.endswith("/v1") else url
+    from ..endpoint_client import base_url
+    return base_url(url, "--backend")
 
 
 def build_router_app(backends: Sequence[str], policy: str | RouterPolicy = "round-robin",
                      max_imbalance: int | None = None, model: str | None = None, block_size: int = 16,
-                     poll_interval: float = 0.5, connect_timeout: float = 5.0) -> web.Application:
+                     poll_interval: float = 0.5, connect_timeout: float = 5.0,
+                     limits: ConnectionLimits | None = None) -> web.Application:
     """The router application (the module doc). ``backends``: the servers'
     URLs (with or without ``/v1``); ``policy``: a name from
     :data:`~minibatch_engine.cluster.router.ROUTER_POLICIES` or a policy
     object; ``max_imbalance``: the prefix policy's load guard (requests; its
     default when None); ``model``: a model whose tokenizer keys text prompts
     (``"tiny"``, ``"tiny-py"``, a checkpoint directory); ``block_size``: tokens
-    per prefix block (the backends' KV block size)."""
+    per prefix block (the backends' KV block size); ``limits``: the client
+    connections' deadlines and bound (:mod:`.limits`)."""
     urls = [_base(u) for u in backends]
     if not urls:
         raise ValueError("the router needs at least one backend (--backend URL)")
@@ -109,7 +111,7 @@ def build_router_app(backends: Sequence[str], policy: str | RouterPolicy = "roun
     app[STATE_KEY] = {"backends": [Backend(i, u) for i, u in enumerate(urls)], "policy": chooser,
                       "index": PrefixIndex(len(urls), block_size), "tokenizer": tokenizer,
                       "poll_interval": poll_interval, "connect_timeout": connect_timeout,
-                      "no_backend": 0, "drain_timeout": 5.0}
+                      "no_backend": 0, "drain_timeout": 5.0, "limits": limits or ConnectionLimits()}
     app.add_routes([web.post(p, _proxy) for p in GENERATION_PATHS] +
                    [web.get("/v1/models", _models), web.get("/health", _health), web.get("/metrics", _metrics)])
     app.on_startup.append(_start)
@@ -133,8 +135,9 @@ async def _errors(request, handler):
     try:
         return await handler(request)
     except APIError as e:
-        headers = {"Retry-After": "1"} if e.status == 503 else None
-        return web.json_response(e.body(), status=e.status, headers=headers)
+        return error_response(e)
+    except ConnectionResetError:                # the client left while its body was read: nothing to answer
+        return web.Response(status=499, reason="Client Closed Request")
 
 
 # --- background: the backends' health and KV usage -----------------------------------
@@ -214,11 +217,8 @@ def choose(st: dict, hashes: list[int], exclude: set[int]) -> Backend | None:
 
 async def _proxy(request: web.Request) -> web.StreamResponse:
     st = request.app[STATE_KEY]
-    raw = await request.read()
-    try:
-        body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise APIError("the request body is not valid JSON") from None
+    raw = await read_body(request, st["limits"].body_timeout)
+    body = parse_json(raw)
     if not isinstance(body, dict):
         raise APIError("the request body must be a JSON object")
     hashes = block_hashes(prefix_key(body, request.path, st["tokenizer"]), st["index"].block_size)
@@ -237,10 +237,8 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
             upstream = await st["session"].post(f"{b.url}{request.path}", data=raw, headers=headers)
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError, OSError) as e:
             b.outstanding -= 1
-            b.healthy, b.errors = False, b.errors + 1
+            _mark_down(b, e)
             tried.add(b.index)
-            print(f"minibatch-engine route: {b.url} is down ({type(e).__name__}); skipped until it answers "
-                  "/health", file=sys.stderr, flush=True)
             continue
         except BaseException:                  # the client left while connecting
             b.outstanding -= 1
@@ -258,19 +256,51 @@ async def _proxy(request: web.Request) -> web.StreamResponse:
         b.outstanding -= 1
 
 
+def _mark_down(b: Backend, e: BaseException, when: str = "") -> None:
+    """A backend that failed a connection: skipped until its ``/health`` answers 200 again."""
+    b.healthy, b.errors = False, b.errors + 1
+    print(f"minibatch-engine route: {b.url} is down ({type(e).__name__}{when}); skipped until it answers "
+          "/health", file=sys.stderr, flush=True)
+
+
+UPSTREAM_ERRORS = (aiohttp.ClientError, asyncio.TimeoutError, OSError)
+
+
 async def _relay(request: web.Request, upstream: aiohttp.ClientResponse, b: Backend) -> web.StreamResponse:
+    """The backend's reply, passed on as it comes. If the backend breaks midway
+    (killed, connection lost), a whole reply answers 502; a stream that has
+    begun ends with an OpenAI-shaped error event and ``[DONE]``, as a server's
+    own failure would end it; either way the backend is marked down. A client
+    that leaves drops the upstream connection, so the backend aborts."""
     ctype = upstream.headers.get("Content-Type", "application/json")
     headers = {ROUTED_HEADER: b.url}
     if "Retry-After" in upstream.headers:
         headers["Retry-After"] = upstream.headers["Retry-After"]
     if upstream.status != 200 or not ctype.startswith("text/event-stream"):
-        return web.Response(body=await upstream.read(), status=upstream.status,
-                            headers={**headers, "Content-Type": ctype})
+        try:
+            body = await upstream.read()
+        except UPSTREAM_ERRORS as e:
+            _mark_down(b, e, " mid-reply")
+            raise APIError(f"the backend {b.url} failed mid-reply ({type(e).__name__}); retry", status=502) from None
+        return web.Response(body=body, status=upstream.status, headers={**headers, "Content-Type": ctype})
     resp = web.StreamResponse(status=200, headers={**headers, "Content-Type": ctype, "Cache-Control": "no-cache"})
-    await resp.prepare(request)
     try:
-        async for chunk in upstream.content.iter_any():
+        await resp.prepare(request)
+        tail = b"\n\n"                            # the last bytes relayed: an event ends with a blank line
+        while True:
+            try:
+                chunk = await upstream.content.readany()
+            except UPSTREAM_ERRORS as e:          # the backend broke mid-stream
+                _mark_down(b, e, " mid-stream")
+                err = APIError(f"the backend {b.url} failed mid-stream ({type(e).__name__}); the reply is "
+                               "incomplete", status=502)
+                sep = b"" if tail.endswith(b"\n\n") else b"\n\n"
+                await resp.write(sep + b"data: " + json.dumps(err.body()).encode() + b"\n\ndata: [DONE]\n\n")
+                break
+            if not chunk:
+                break
             await resp.write(chunk)
+            tail = (tail + chunk)[-2:]
         await resp.write_eof()
     except ConnectionResetError:        # the client left mid-stream (or right after [DONE]):
         upstream.close()                # drop the upstream connection, so the backend aborts
@@ -360,8 +390,7 @@ def route(app: web.Application, host: str = "127.0.0.1", port: int = 8080) -> No
     st = app[STATE_KEY]
     print(f"minibatch-engine route: {st['policy']!r} over {', '.join(b.url for b in st['backends'])} on "
           f"http://{host}:{port}/v1", file=sys.stderr, flush=True)
-    web.run_app(app, host=host, port=port, handler_cancellation=True, print=None, access_log=None,
-                shutdown_timeout=st["drain_timeout"])
+    run_forever(app, host, port, st["limits"], st["drain_timeout"])
 
 
 __all__ = ["Backend", "build_router_app", "federate", "prefix_key", "route", "router_exposition"]

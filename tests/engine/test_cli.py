@@ -111,4 +111,4 @@ def test_simulate_with_tensor_parallelism(capsys):
     assert main(["simulate", "--sim-model", "llama-3-70b", "--tp", "4", "--num-requests", "4",
                  "--max-batch", "4", "--no-progress"]) == 0
     assert main(["simulate", "--sim-model", "llama-3-70b", "--num-requests", "4", "--no-progress"]) == 2
-    assert "tensor_parallel_size 2 or more" in capsys.readouterr().err
+    assert "--tp 2 or more" in capsys.readouterr().err            # the engine's field, named by its flag
