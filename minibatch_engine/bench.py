@@ -63,9 +63,8 @@ def summarize(engine: Engine, requests, ps=DEFAULT_PERCENTILES, goodput=None) ->
         s["sim_output_tokens_per_second"] = out_tokens / s["sim_seconds"]
     if engine.model is not None and engine.model.device.type == "cpu" and len(trace):
         # the run against this CPU's limit for the model (minibatch_engine.machine_limit)
-        from .machine_limit import limit_of_run, machine_rates
-        lim = limit_of_run(trace, engine.model_config, machine_rates(engine.model_config, engine.model.dtype),
-                           engine.model.dtype)
+        from .machine_limit import run_against_limit
+        lim = run_against_limit(trace, engine.model_config, engine.model.dtype)
         s.update({f"machine_{k}": v for k, v in lim.items()})
     step_wall = sum(st.wall_dt for st in trace.steps)
     in_model = sum(st.forward_s + st.sample_s for st in trace.steps)
@@ -261,10 +260,12 @@ def format_report(summary: dict, simulated: bool = False) -> str:
     pk = [k[len("ttft_ms_"):] for k in s if k.startswith("ttft_ms_p")]
     clock_name = f"simulated {s.get('sim_gpu')}" if clock == "sim_seconds" else "wall clock"
     tput = s.get("sim_output_tokens_per_second") if clock == "sim_seconds" else s.get("output_tokens_per_second")
-    model = s.get("sim_model") if simulated else s.get("model")
+    model = str(s.get("sim_model") if simulated else s.get("model"))
+    if s.get("sim_gpu") and not simulated:       # the model runs here; the simulator prices its steps
+        model += f" (run here; its steps priced as {s.get('sim_model') or model} on a simulated {s['sim_gpu']})"
     groups = [
         ("workload", [
-            ("model", str(model)), ("workload", f"{s['workload']}, {s['num_requests']} requests, seed {s['seed']}"),
+            ("model", model), ("workload", f"{s['workload']}, {s['num_requests']} requests, seed {s['seed']}"),
             ("scheduler", f"{s['scheduler']}, max {s['max_batch']} sequences, token budget "
                           f"{_fmt(s.get('max_num_batched_tokens'))}"
                           f"{', chunked prefill' if s.get('chunked_prefill') else ''}"),
@@ -272,7 +273,7 @@ def format_report(summary: dict, simulated: bool = False) -> str:
                          f"{_fmt(s['steps'])} steps")]),
         (f"throughput ({clock_name})", [
             ("output tokens/s", _fmt(tput)),
-            ("requests/s", _fmt(s.get("request_throughput"))),
+            ("requests/s", _rate_line(s)),
             *_goodput_row(s),
             ("batch efficiency η", _fmt(s.get("eta"))),
             ("mean batch utilization", _fmt(s.get("batch_utilization")))]),
@@ -349,12 +350,28 @@ def _endpoint_groups(s: dict) -> list:
     return groups
 
 
+def _rate_line(s: dict) -> str:
+    """Completed requests per second, said as such: below an offered rate, since
+    the run's span includes the last requests' decoding after the arrivals end."""
+    line = f"{_fmt(s.get('request_throughput'))} completed"
+    if s.get("arrival_rate") is not None:
+        line += f" (offered {_fmt(s['arrival_rate'])}/s; the span includes draining the last requests)"
+    return line
+
+
 def _limit_line(s: dict) -> str:
-    """"x% of this CPU's limit": the run's steps at the machine's measured rates, over their wall time."""
-    large = s.get("machine_large_batch_limit_fraction")
-    return (f"{s['machine_limit_fraction']:.0%} (steps of 32+ rows: "
-            f"{'n/a' if large is None or not np.isfinite(large) else f'{large:.0%}'}; its matmuls "
-            f"{s['machine_matmul_flops_per_s'] / 1e9:,.0f} GFLOP/s, memory {s['machine_memory_bytes_per_s'] / 1e9:,.0f} GB/s)")
+    """"x% of this CPU's limit": the run's steps at the machine's measured rates,
+    over their wall time, and where the rates came from. A share above 100% is
+    only printed after the limit was re-measured for the run, and says so."""
+    frac, large = s["machine_limit_fraction"], s.get("machine_large_batch_limit_fraction")
+    large = None if large is None or not np.isfinite(large) else large
+    line = (f"{frac:.0%} (steps of 32+ rows: {'n/a' if large is None else f'{large:.0%}'}; its matmuls "
+            f"{s['machine_matmul_flops_per_s'] / 1e9:,.0f} GFLOP/s, memory {s['machine_memory_bytes_per_s'] / 1e9:,.0f} "
+            f"GB/s: {s.get('machine_limit_provenance', 'measured once')})")
+    if max(frac, large or 0.0) > 1:
+        line += ("; above 100% although re-measured just now: this run beat the roofline at the measured "
+                 "rates (say, weights served from the CPU's caches rather than from memory)")
+    return line
 
 
 def _group_line(g: dict) -> str:

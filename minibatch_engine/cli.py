@@ -19,7 +19,13 @@ from .sim import GPUS
 from .speculative.config import SPEC_METHODS
 from .workload import CLASS_WORKLOADS, DEFAULT_SLO_E2E_S, DEFAULT_SLO_TTFT_S, parse_clients, workload_names
 
-FORMATTER = argparse.ArgumentDefaultsHelpFormatter
+class FORMATTER(argparse.ArgumentDefaultsHelpFormatter):
+    """Defaults in the help, unless the help already says what the default is."""
+
+    def _get_help_string(self, action):
+        if "(default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
 
 
 class Parser(argparse.ArgumentParser):
@@ -318,6 +324,8 @@ def main(argv=None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as e:            # --help (0) or a usage error (2, one line printed)
         return e.code
+    if getattr(args, "no_progress", True) is False and not sys.stderr.isatty():
+        args.no_progress = True         # piped: a cleared bar would share the result's first line
     try:
         _check_output_paths(args)
         if args.command == "generate":
@@ -535,12 +543,14 @@ def _bench(args, simulate: bool) -> int:
     print(format_report(summary, simulated=simulate))
     if args.json:
         write_json(summary, args.json)
+        print(f"json: {args.json}")
     if args.plot:
         from .book import plotting
         paged = engine.config.kv_layout == "paged"     # resolved: never "auto" here
         fig = plotting.timeline(engine.trace, title=f"{args.scheduler} on {args.workload}",
                                 ylabel="first KV block" if paged else "KV row")
         fig.savefig(args.plot, dpi=120, bbox_inches="tight")
+        print(f"plot: {args.plot} (the run's timeline)")
     return 0
 
 
@@ -584,13 +594,17 @@ def _cluster(args) -> int:
         print(f"{r['index']:>8} {r['pool']:>8} {r['requests']:>9} {r['prefix_hit_rate']:>9.3f} "
               f"{r['busy_s']:>9.3g} {r.get('ttft_ms_p50', float('nan')):>8.4g}ms")
     p = f"{parse_percentiles(args.percentiles)[-1]:g}"
-    print(f"total: {s['completed']} requests, {s['request_throughput']:.3g} req/s, TTFT p{p} "
+    offered = "" if args.arrival_rate is None else f" (offered {args.arrival_rate:g}/s)"
+    roles = " (prefill and decode replicas do different work)" if args.replicas is None else ""
+    print(f"total: {s['completed']} requests, {s['request_throughput']:.3g} req/s completed{offered}, TTFT p{p} "
           f"{s[f'ttft_ms_p{p}']:.4g} ms, TPOT p{p} {s[f'tpot_ms_p{p}']:.4g} ms, prefix hit rate "
-          f"{s['prefix_hit_rate']:.3f}, load imbalance {s['load_imbalance']:.3f}"
+          f"{s['prefix_hit_rate']:.3f}, load imbalance {s['load_imbalance']:.3f} (the busiest replica's busy "
+          f"time over the mean{roles})"
           + (f", goodput {s['goodput']:.3g} req/s ({s['goodput_per_gpu']:.3g} per GPU)" if "goodput" in s else ""))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(s, f, indent=1, default=str)
+        print(f"json: {args.json}")
     if args.plot:
         raise ValueError("--plot draws one engine's timeline; a cluster run has none (use --json)")
     return 0

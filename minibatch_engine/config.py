@@ -68,7 +68,9 @@ class EngineConfig:
     policy: who is admitted next and who is preempted (continuous scheduler,
         :mod:`~minibatch_engine.scheduler.policy`): ``"fcfs"`` (arrival order,
         the default), ``"priority"`` (lower ``priority`` first, preempting a
-        running request of strictly worse priority for a waiting one) or
+        running request of strictly worse priority for a waiting one; a
+        request's ``priority`` is a 32-bit signed integer, see
+        :func:`~minibatch_engine.request.check_priority`) or
         ``"fair"`` (the Virtual Token Counter between clients, ``client_id``, with
         optional ``client_weights``: client -> weight > 0).
     priority_aging_s: priority policy only: a request gains one priority level

@@ -29,7 +29,7 @@ from .config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from .inputs import as_token_ids, check_arrival_time
 from .kv import HostKVPool, KVPool, PagedKVCache, ReservedKVCache, SwapSpace
 from .model.config import ModelConfig, get_preset
-from .request import FinishReason, Request
+from .request import FinishReason, Request, check_priority
 from .outputs import RunnerOutput, SchedulerOutput
 from .runner import ModelRunner, SimRunner
 from .sampling import SamplingParams
@@ -306,8 +306,7 @@ class Engine:
         if SAMPLE_ID.fullmatch(rid):
             raise ValueError(f"request_id {rid!r} is reserved: ids ending in '#' and a number name the "
                              "samples of n > 1 requests")
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise TypeError(f"request {rid}: priority must be an integer, got {priority!r}")
+        priority = check_priority(priority, f"request {rid}: priority")
         if arrival_time is not None:
             arrival_time = check_arrival_time(arrival_time, f"request {rid}: arrival_time")
         req = Request(rid, ids, params, prompt=prompt_text, eos_token_id=self.eos_token_id,
@@ -368,22 +367,27 @@ class Engine:
 
     # --- the loop -------------------------------------------------------------------
     def step(self) -> list[Request]:
-        """Run one step; returns the requests that finished in it."""
+        """Run one step; returns the requests that finished in it. A failure
+        that belongs to one request (its scheduling arithmetic, its sampling,
+        its stop checks) ends that request alone with finish reason ``error``
+        (the message in ``Request.error``); the others go on."""
         self._release_arrivals()
         started = self.wall_now(), self.sim_now
         sched = self.scheduler.schedule(now=self.now())
+        failed = self.scheduler.take_failed()   # requests the scheduler could not place: ended alone
         scheduled = self.wall_now()
         if sched.is_empty:
             if sched.block_copies or sched.finished_request_ids:
                 self.runner.execute(sched)      # e.g. a lone request swapped itself out; state to drop
-            self._wait_for_arrival()
-            return []
+            if not failed:
+                self._wait_for_arrival()
+            return failed
         result = self.runner.execute(sched)
         lanes = self._lanes(sched)      # before the update: a request finishing now still holds its blocks
         ran = self.wall_now()
         finished = self.scheduler.update_from_output(sched, result)
         self._record(sched, result, lanes, started, (scheduled - started[0], self.wall_now() - ran))
-        return finished
+        return failed + finished
 
     def _wait_for_arrival(self) -> None:
         """Nothing to run: move the clock to the next arrival."""

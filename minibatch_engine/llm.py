@@ -10,6 +10,7 @@ from .config import EngineConfig
 from .engine import Engine
 from .inputs import as_prompt_list, check_arrival_time, encode_text
 from .metrics import RequestMetrics, request_metrics
+from .request import check_priority
 from .sampling import SamplingParams
 from .logits_process import with_bad_words
 from .logprobs import as_dicts
@@ -108,6 +109,8 @@ class LLM:
                              ("priority", priority), ("client_id", client_id)):
             if values is not None and len(values) != len(prompts):
                 raise ValueError(f"{len(prompts)} prompts but {len(values)} {name}: give one per prompt")
+        if priority is not None:        # all checked before any request starts
+            priority = [check_priority(p, f"priority[{i}]") for i, p in enumerate(priority)]
         if arrival_times is not None:
             arrival_times = [check_arrival_time(t, f"arrival_times[{i}]") for i, t in enumerate(arrival_times)]
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None

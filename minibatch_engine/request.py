@@ -17,9 +17,40 @@ keeps its sampling state (a seeded generator per request id) itself.
 from __future__ import annotations
 
 import enum
+import numbers
 from dataclasses import dataclass, field
 
 from .sampling import SamplingParams
+
+
+# A request's priority is a 32-bit signed integer, as in gRPC's and Kubernetes'
+# priority fields. vLLM takes any Python int (its scheduler only compares them);
+# this engine's aging turns a priority into a float (``priority - waited /
+# aging_s``), which an integer past 2**1023 cannot become, and one past 2**53
+# no longer keeps its order exactly. 2**31 levels are more than any tenant
+# scheme needs and stay exact in that float for 10**6 years of aging.
+PRIORITY_MIN, PRIORITY_MAX = -2**31, 2**31 - 1
+
+
+def check_priority(priority, what: str = "priority") -> int:
+    """``priority`` as an int, or a ``ValueError``/``TypeError`` naming ``what``,
+    the value and the range (:data:`PRIORITY_MIN` to :data:`PRIORITY_MAX`). The
+    one check every way in uses: ``Engine.add_request`` (so ``LLM`` and
+    ``AsyncLLM``), and the server's request parser."""
+    if isinstance(priority, bool) or not isinstance(priority, numbers.Integral):
+        raise TypeError(f"{what} must be an integer, got {_short(priority)}")
+    if not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+        raise ValueError(f"{what} must be an integer in [{PRIORITY_MIN}, {PRIORITY_MAX}] (lower runs "
+                         f"first), got {_short(priority)}")
+    return int(priority)
+
+
+def _short(value) -> str:
+    """``repr(value)``, cut to 40 characters (a 5,000-digit integer is not echoed whole)."""
+    if isinstance(value, int) and abs(value) >= 10**30:     # (str() refuses over 4,300 digits)
+        return f"an integer of about {int(abs(value).bit_length() * 0.30103) + 1} digits"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 class RequestStatus(enum.Enum):

@@ -131,17 +131,22 @@ def filter_logits(logits: torch.Tensor, top_k, top_p) -> torch.Tensor:
 
     ``logits``: one row ``[vocab]`` or a batch ``[S, vocab]``; ``top_k`` and
     ``top_p``: one value for every row, or one per row (top_k 0: no top-k;
-    top_p 1: no top-p). Ties with the k-th logit stay. The most likely token
-    always stays, however small ``top_p`` is (a ``top_p`` that rounds to 0 in
-    the logits' dtype would otherwise mask every token).
+    top_p 1: no top-p). The result depends on the row alone, never on its
+    batch mates (see :func:`_filter_` for how, with few passes over the
+    vocabulary).
 
-    Rows are not sorted whole where it can be helped (sorting a row of 32,000
-    logits takes a CPU milliseconds): top-k takes the k largest, and top-p
-    looks for its nucleus among the :data:`PREFIX` largest logits (or the top-k
-    ones); a token outside a prefix that holds ``top_p`` of the probability is
-    outside the nucleus. Only the rows whose nucleus is wider than the prefix
-    are sorted whole. The result is the full sort's (to float rounding at the
-    nucleus's edge, in the rows that did not need one)."""
+    **The tie rule: equal values are kept or dropped together.** Top-k keeps
+    every token whose logit is at least the k-th largest (ties with the k-th
+    stay, so a row may keep more than k). Top-p then works on what top-k kept,
+    renormalised: a token stays when the tokens *strictly more likely* than it
+    hold less than ``top_p`` of that mass. So the token that crosses ``top_p``
+    stays, and so does every token tied with it, and the most likely tokens
+    always stay, however small ``top_p`` is (a ``top_p`` that rounds to 0 would
+    otherwise mask every token). vLLM's PyTorch sampler keeps top-k's ties the
+    same way, but cuts top-p at a position of its sort, so tokens tied at the
+    nucleus's edge are split by the sort's order; its FlashInfer kernels sample
+    by rejection and match only in distribution. Ties are common: logits
+    rounded to bfloat16 have 8 bits of mantissa."""
     one_row = logits.dim() == 1
     x = (logits[None] if one_row else logits).clone()
     rows = x.shape[0]
@@ -157,48 +162,64 @@ def _put_rows(x: torch.Tensor, rows: torch.Tensor, order: torch.Tensor, values: 
     x.view(-1)[flat] = values.reshape(-1)
 
 
+def _nucleus(probs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Which tokens of rows sorted by probability (float64, largest first,
+    ``[S, W]``) are in the top-p nucleus: those whose strictly more likely tokens hold
+    less than ``p`` (``[S, 1]``, float64). Tied tokens are contiguous and get
+    the mass before their group's first member, so they go together. The
+    cumulative mass is summed in float64, in order: on a CPU the first W sums
+    are the same bits whatever the width (the prefix or the whole row)."""
+    before = torch.nn.functional.pad(probs.cumsum(-1)[:, :-1], (1, 0))     # the mass of earlier positions
+    start = torch.ones_like(probs, dtype=torch.bool)
+    start[:, 1:] = probs[:, 1:] != probs[:, :-1]                         # the first of a group of ties
+    strict = torch.where(start, before, torch.zeros_like(before)).cummax(-1).values
+    return strict < p
+
+
 def _filter_(x: torch.Tensor, ks: list[int], ps: list[float]) -> None:
-    """:func:`filter_logits` in place on ``x`` ``[S, vocab]`` (contiguous), with a
-    few passes over the whole vocabulary: the rest works on the prefixes."""
+    """:func:`filter_logits` in place on ``x`` ``[S, vocab]`` (contiguous).
+
+    Rows are not sorted whole where it can be helped (sorting a row of 32,000
+    logits takes a CPU milliseconds). Top-k is one ``topk`` for the k-th value
+    and one mask. Top-p takes the softmax of the whole row (top-k's survivors
+    renormalised) and looks for the nucleus among the row's W largest, W the
+    larger of :data:`PREFIX` and the most tokens a top-k row kept (ties
+    included): a row whose prefix ends inside its nucleus, with tokens left
+    beyond it, is sorted whole. Each sorted position gets the same
+    probability and cumulative mass whichever way it was found (tied tokens
+    have equal probabilities, so the order among them does not matter), so a
+    row's result does not depend on W, hence not on its batch mates."""
     rows, vocab = x.shape
     ks = [k if 0 < k < vocab else 0 for k in ks]
-    top = order = None                                  # the largest logits, largest first
+    counts = None                                       # tokens each row has left after top-k
     if any(ks):
         k = torch.tensor(ks, device=x.device)
-        top, order = torch.topk(x, max(ks), dim=-1)
+        top = torch.topk(x, max(ks), dim=-1).values
         kth = top.gather(1, (k - 1).clamp(min=0)[:, None]).masked_fill_((k == 0)[:, None], float("-inf"))
-        x.masked_fill_(x < kth, float("-inf"))
-        top.masked_fill_(top < kth, float("-inf"))
+        below = x < kth                                 # ties with the k-th stay
+        x.masked_fill_(below, float("-inf"))
+        counts = vocab - below.sum(-1)
     if not any(p < 1.0 for p in ps):
         return
-    p = torch.tensor(ps, device=x.device, dtype=x.dtype)[:, None]
-    if top is None:                                     # no top-k: the first few dozen
-        top, order = torch.topk(x, min(vocab, PREFIX), dim=-1)
-    if all(ks):                                         # the top-k prefix holds every token left
-        probs = torch.softmax(top, dim=-1)
-    else:
-        probs = torch.softmax(x, dim=-1).gather(1, order)
-    before = probs.cumsum(-1) - probs                   # the mass of the larger tokens
-    drop = (before >= p) & (p < 1.0)                    # keep the token that crosses p
-    drop[:, 0] = False
-    every = torch.arange(rows, device=x.device)
-    if all(ks):                                         # outside the prefix all is -inf already
-        _put_rows(x, every, order, top.masked_fill_(drop, float("-inf")))
-        return
+    p = torch.tensor(ps, device=x.device, dtype=torch.float64)[:, None]
+    probs = torch.softmax(x, dim=-1, dtype=torch.float64)    # what top-p cuts: top-k's survivors, renormalised
+    widest = max((int(c) for c, kk in zip(counts.tolist(), ks) if kk) if counts is not None else [0], default=0)
+    width = min(vocab, max(PREFIX, widest))
+    top, order = torch.topk(x, width, dim=-1)
+    keep = _nucleus(probs.gather(1, order), p)
+    left = counts > width if counts is not None else torch.full((rows,), vocab > width, device=x.device)
     nucleus = p[:, 0] < 1.0
-    short = nucleus & (before[:, -1] + probs[:, -1] < p[:, 0])   # a nucleus wider than the prefix
-    inside = (nucleus & ~short).nonzero()[:, 0]
+    wide = nucleus & left & keep[:, -1]                 # the nucleus may reach past the prefix
+    inside = (nucleus & ~wide).nonzero()[:, 0]
     if len(inside):                                     # the nucleus is in the prefix: the rest goes
-        kept = top[inside].masked_fill_(drop[inside], float("-inf"))
+        kept = top[inside].masked_fill_(~keep[inside], float("-inf"))
         x.index_fill_(0, inside, float("-inf"))
         _put_rows(x, inside, order[inside], kept)
-    wide = short.nonzero()[:, 0]
+    wide = wide.nonzero()[:, 0]
     if len(wide):                                       # those rows sorted whole
         ranked, order = torch.sort(x[wide], dim=-1, descending=True)
-        probs = torch.softmax(ranked, dim=-1)
-        drop = probs.cumsum(-1) - probs >= p[wide]
-        drop[:, 0] = False
-        _put_rows(x, wide, order, ranked.masked_fill_(drop, float("-inf")))
+        keep = _nucleus(probs[wide].gather(1, order), p[wide])
+        _put_rows(x, wide, order, ranked.masked_fill_(~keep, float("-inf")))
 
 
 def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -207,11 +228,10 @@ def sampling_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> to
     ``params``; the whole batch in a few operators."""
     if len(params) != logits.shape[0]:
         raise ValueError(f"{logits.shape[0]} rows of logits for {len(params)} sampling parameters")
-    temperatures = [p.temperature for p in params]
-    if len(set(temperatures)) == 1:
-        x = logits.float() / temperatures[0]
-    else:
-        x = logits.float() / torch.tensor(temperatures, device=logits.device)[:, None]
+    # One tensor division whatever the temperatures (a division by a Python
+    # number may round differently, and a row must not depend on its batch).
+    temperatures = torch.tensor([p.temperature for p in params], device=logits.device)[:, None]
+    x = logits.float() / temperatures
     top_k, top_p = [p.top_k for p in params], [p.top_p for p in params]
     if any(top_k) or min(top_p) < 1.0:
         x = x.contiguous()                  # the division's own tensor: filtered in place

@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 from matplotlib.colors import ListedColormap
 from matplotlib.patches import Patch
-from matplotlib.ticker import MaxNLocator
+from matplotlib.ticker import LogFormatter, MaxNLocator
 
 # One palette for the whole book.
 COLORS = {
@@ -413,6 +413,13 @@ def tokens_per_step(counts: Mapping[str, Sequence[int]], ax=None, title: str | N
     return fig
 
 
+def _plain_log_labels(axis) -> None:
+    """Label a log axis in plain numbers ("20", "40"), not "2x10^1": matplotlib's
+    default names the ticks of an axis spanning less than a decade that way."""
+    axis.set_major_formatter(LogFormatter())
+    axis.set_minor_formatter(LogFormatter(labelOnlyBase=False, minor_thresholds=(2, 0.5)))
+
+
 def load_curves(curves: Mapping[str, Sequence[Mapping]], slo_ms: Mapping[str, float] | None = None,
                 x: str = "request_throughput", stat: str = "p99", title: str | None = None,
                 goodput: str = "goodput", offered: str = "rate", figsize=(11, 3.2)):
@@ -441,6 +448,7 @@ def load_curves(curves: Mapping[str, Sequence[Mapping]], slo_ms: Mapping[str, fl
         ax.set_xlabel(xlabel)
         ax.set_ylabel(f"{key.upper()} {stat} (ms)")
         ax.set_yscale("log")
+        _plain_log_labels(ax.yaxis)
         if slo_ms and key in slo_ms:
             ax.axhline(slo_ms[key], color="k", ls="--", lw=0.8, label="SLO")
     rates = sorted({r[offered] for rows in curves.values() for r in rows})

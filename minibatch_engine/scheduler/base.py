@@ -56,6 +56,7 @@ class Scheduler(ABC):
         self.num_steps = 0                          # non-empty steps scheduled so far
         self.now: float | None = None               # the engine's clock at this step
         self._finished_ids: list[str] = []
+        self._failed: list[Request] = []            # ended with an error outside update_from_output
 
     # --- requests in ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -96,45 +97,51 @@ class Scheduler(ABC):
         (speculative decoding), capped so that verifying them cannot run past
         ``max_tokens``: k proposals yield at most k + 1 tokens."""
         finished: list[Request] = []
-        mark_computed, sampled, step = self.kv_cache.mark_computed, out.sampled_token_ids, sched.step
-        errors, proposals = out.errors, out.spec_token_ids
         for s in sched.scheduled:
             r = self.requests.get(s.request_id)
             if r is None or r.is_finished:      # ended from outside since it was scheduled
                 continue
-            if errors and s.spec_token_ids and r.request_id in errors:
-                r.spec_token_ids = []
-                finished += self._fail([r], errors, step)
-                continue
-            if s.spec_token_ids:
-                self._verified(r, s, sampled[r.request_id])
-            else:
-                r.num_computed_tokens = s.start + s.num_tokens
-                mark_computed(r.request_id, r.all_token_ids, r.num_computed_tokens, s.start)
-                if out.prompt_logprobs and r.request_id in out.prompt_logprobs:
-                    r.add_prompt_logprobs(*out.prompt_logprobs[r.request_id])
-            if not s.samples_token:
-                continue
-            forks = [self._fork(r, k) for k in range(1, len(s.forks) + 1)]
-            for seq in (r, *forks):
-                if errors and seq.request_id in errors:
-                    finished += self._fail([seq], errors, step)
-                    continue
-                if out.logprobs and seq.request_id in out.logprobs:
-                    seq.logprobs.extend(out.logprobs[seq.request_id])
-                for token in sampled[seq.request_id]:
-                    seq.append_token(token, step)
-                    if seq.is_finished:
-                        finished.append(seq)
-                        self._end(seq)
-                        break
-                else:
-                    spec = proposals.get(seq.request_id) if proposals else None
-                    if spec:
-                        seq.spec_token_ids = [int(t) for t in spec[:seq.max_proposals]]
-                    elif seq.spec_token_ids:
-                        seq.spec_token_ids = []
+            try:
+                self._update_one(r, s, sched.step, out, finished)
+            except Exception as e:              # this request's update failed: it ends, the batch goes on
+                finished += self.fail_requests({r.request_id: f"its step failed: {type(e).__name__}: {e}"})
         return finished
+
+    def _update_one(self, r: Request, s, step: int, out: RunnerOutput, finished: list[Request]) -> None:
+        """:meth:`update_from_output` for one scheduled request (and its forks)."""
+        errors, proposals, sampled = out.errors, out.spec_token_ids, out.sampled_token_ids
+        if errors and s.spec_token_ids and r.request_id in errors:
+            r.spec_token_ids = []
+            finished += self._fail([r], errors, step)
+            return
+        if s.spec_token_ids:
+            self._verified(r, s, sampled[r.request_id])
+        else:
+            r.num_computed_tokens = s.start + s.num_tokens
+            self.kv_cache.mark_computed(r.request_id, r.all_token_ids, r.num_computed_tokens, s.start)
+            if out.prompt_logprobs and r.request_id in out.prompt_logprobs:
+                r.add_prompt_logprobs(*out.prompt_logprobs[r.request_id])
+        if not s.samples_token:
+            return
+        forks = [self._fork(r, k) for k in range(1, len(s.forks) + 1)]
+        for seq in (r, *forks):
+            if errors and seq.request_id in errors:
+                finished += self._fail([seq], errors, step)
+                continue
+            if out.logprobs and seq.request_id in out.logprobs:
+                seq.logprobs.extend(out.logprobs[seq.request_id])
+            for token in sampled[seq.request_id]:
+                seq.append_token(token, step)
+                if seq.is_finished:
+                    finished.append(seq)
+                    self._end(seq)
+                    break
+            else:
+                spec = proposals.get(seq.request_id) if proposals else None
+                if spec:
+                    seq.spec_token_ids = [int(t) for t in spec[:seq.max_proposals]]
+                elif seq.spec_token_ids:
+                    seq.spec_token_ids = []
 
     def _fail(self, seqs: list[Request], errors: dict[str, str], step: int) -> list[Request]:
         """End the sequences whose step failed in the runner (finish reason
@@ -180,6 +187,23 @@ class Scheduler(ABC):
                 self._end(r)
                 ended.append(r)
         return ended
+
+    def fail_requests(self, errors: dict[str, str]) -> list[Request]:
+        """End requests whose own part of a step failed (finish reason ``error``,
+        ``errors`` maps request id -> message, kept on each); the samples of an
+        ``n > 1`` request end with it. The rest of the batch goes on."""
+        ended = []
+        for rid, message in errors.items():
+            for r in self.finish_requests([rid], FinishReason.ERROR):
+                r.error = message
+                ended.append(r)
+        return ended
+
+    def take_failed(self) -> list[Request]:
+        """The requests :meth:`schedule` ended with an error (say, a priority its
+        policy could not order), handed over once."""
+        failed, self._failed = self._failed, []
+        return failed
 
     def forget(self, request_id: str) -> None:
         """Drop a finished request, and its ``n > 1`` samples, from ``requests``

@@ -128,6 +128,9 @@ class ContinuousScheduler(Scheduler):
         then swapped-out requests, then newcomers, within the token budget."""
         step = _Step(self.max_num_batched_tokens)
         self.policy.begin_step(self.now, self.running)
+        bad = self.policy.unorderable([*self.waiting, *self.running, *self.swapped])
+        if bad:         # a request the policy cannot place ends alone, before any decision uses it
+            self._failed += self.fail_requests(bad)
         self._schedule_running(step)
         self._schedule_swapped(step)
         self._schedule_waiting(step)

@@ -103,6 +103,19 @@ class SchedulingPolicy:
     def key(self, req: Request):
         return (self.arrival_order(req),)
 
+    def unorderable(self, requests: Sequence[Request]) -> dict[str, str]:
+        """The requests whose :meth:`key` cannot be computed at this step
+        (request id -> message): the scheduler ends them with an error, so one
+        bad request cannot stop the step for the others. Every key is then
+        known to work for the rest of the step (``now`` is fixed within it)."""
+        bad = {}
+        for r in requests:
+            try:
+                self.key(r)
+            except Exception as e:
+                bad[r.request_id] = f"scheduling failed ({self.name} policy): {type(e).__name__}: {e}"
+        return bad
+
     def select(self, waiting: Sequence[Request]) -> Request:
         """The waiting request to admit next."""
         return min(waiting, key=self.key)
@@ -129,6 +142,9 @@ class FCFSPolicy(SchedulingPolicy):
     name = "fcfs"
     requeue_at_head = True
     orders_swapped = False         # swapped-out requests come back first (vLLM)
+
+    def unorderable(self, requests):
+        return {}                   # arrival order: no arithmetic on the request
 
     def select(self, waiting):
         return waiting[0]

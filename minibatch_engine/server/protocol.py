@@ -21,6 +21,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from ..request import check_priority
 from ..sampling import SamplingParams
 from .request_fields import refuse_unimplemented, sampling_fields
 
@@ -91,6 +92,15 @@ def _int(body: dict, name: str, default, low: int | None = None, high: int | Non
         rng = f" >= {low}" if high is None else f" in [{low}, {high}]"
         raise APIError(f"'{name}' must be an integer{rng if low is not None else ''}, got {v!r}", name)
     return v
+
+
+def _priority(body: dict) -> int:
+    """The engine's own check (:func:`~minibatch_engine.request.check_priority`), as a 400."""
+    v = body.get("priority")
+    try:
+        return 0 if v is None else check_priority(v, "'priority'")
+    except (TypeError, ValueError) as e:
+        raise APIError(str(e), "priority") from None
 
 
 def _float(body: dict, name: str, default: float, ok, what: str) -> float:
@@ -204,7 +214,7 @@ def parse_request(body, chat: bool) -> GenerationRequest:
         name = str(e).split("SamplingParams.", 1)[-1].split(" ", 1)[0] if "SamplingParams." in str(e) else None
         raise APIError(str(e).replace("SamplingParams.", ""), name) from None
     return GenerationRequest(model, prompts, params, n, stream, include_usage,
-                             _int(body, "priority", 0), max_tokens is not None, chat, messages,
+                             _priority(body), max_tokens is not None, chat, messages,
                              echo, add_generation_prompt)
 
 

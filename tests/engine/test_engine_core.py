@@ -4,6 +4,7 @@ the fix)."""
 import math
 import os
 import random
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minibatch_engine import LLM, Engine, EngineConfig, SamplingParams, SpeculativeConfig, reference_generate
+from minibatch_engine import sampling as sampling_module
 from minibatch_engine.cli import main
 from minibatch_engine.kv import KVCacheManager, PagedKVCache, ReservedKVCache
 from minibatch_engine.model import build_model, get_preset
@@ -327,7 +329,28 @@ def test_every_knob_together_matches_the_lone_recompute(tiny64, data, block_size
     """Mid-run arrivals, aborts, n > 1 forks, speculative verification (k > 0),
     preemption by recompute or swap, priorities: every sample's greedy tokens are
     the lone recompute's, no step runs more than max_num_seqs sequences, and all
-    memory comes back."""
+    memory comes back. Without speculation, some requests sample (seeded, with
+    top-k and top-p, their logits rounded to bfloat16 so that ties are common):
+    each draws the same tokens as it does alone."""
+    with mock.patch.object(sampling_module, "sampling_probs", _bf16_sampling_probs):
+        _every_knob_together(tiny64, data, block_size, extra_blocks, chunked, budget, mode, prefix, B, k, policy)
+
+
+_real_sampling_probs = sampling_module.sampling_probs
+
+
+def _bf16_sampling_probs(logits, params):
+    """The sampler's distributions from logits rounded to bfloat16 (ties)."""
+    return _real_sampling_probs(logits.to(torch.bfloat16).to(logits.dtype), params)
+
+
+def _sampled_params(data, g, n):
+    return SamplingParams(max_tokens=g, n=n, ignore_eos=True, temperature=data.draw(st.sampled_from([0.7, 1.5])),
+                          top_k=data.draw(st.sampled_from([0, 2, 5, 40])),
+                          top_p=data.draw(st.sampled_from([1.0, 0.5, 0.9])), seed=data.draw(st.integers(0, 2**20)))
+
+
+def _every_knob_together(tiny64, data, block_size, extra_blocks, chunked, budget, mode, prefix, B, k, policy):
     max_model_len = 40
     if budget is not None:
         budget = max(budget, B) if chunked else max(budget, max_model_len)
@@ -350,9 +373,11 @@ def test_every_knob_together_matches_the_lone_recompute(tiny64, data, block_size
             i = pending.pop(0)
             extra, g, n, _, priority = specs[i]
             prompt = shared[: 1 + extra % 8] + [100 + i] * extra
-            r = engine.add_request(prompt, SamplingParams(max_tokens=g, n=n if n <= B else 1, ignore_eos=True),
-                                   priority=priority)
-            prompts[r.request_id] = (prompt, g)
+            n = n if n <= B else 1
+            sampled = not k and data.draw(st.booleans())
+            params = _sampled_params(data, g, n) if sampled else SamplingParams(max_tokens=g, n=n, ignore_eos=True)
+            r = engine.add_request(prompt, params, priority=priority)
+            prompts[r.request_id] = (prompt, params)
             reqs.append(r)
         if step in aborts and reqs:
             target = reqs[data.draw(st.integers(0, len(reqs) - 1))]
@@ -366,10 +391,17 @@ def test_every_knob_together_matches_the_lone_recompute(tiny64, data, block_size
         step += 1
         assert step < 3000, "no progress"
     for r in reqs:
-        for sample in engine.samples_of(r.request_id):
+        prompt, params = prompts[r.request_id]
+        if params.greedy:
+            want = [reference_generate(tiny64, prompt, params.max_tokens)] * params.n
+        else:                   # a seeded sampled request: its tokens alone
+            alone = Engine(tiny64, max_num_seqs=params.n, max_model_len=max_model_len)
+            lone = alone.add_request(prompt, params)
+            alone.run()
+            want = [s.output_token_ids for s in alone.samples_of(lone.request_id)]
+        for sample, tokens in zip(engine.samples_of(r.request_id), want):
             if sample.finish_reason != "abort":
-                prompt, g = prompts[r.request_id]
-                assert sample.output_token_ids == reference_generate(tiny64, prompt, g)
+                assert sample.output_token_ids == tokens
     assert_all_memory_back(engine)
 
 

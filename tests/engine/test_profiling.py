@@ -70,7 +70,7 @@ def test_the_backends_metadata_is_attention_time_not_the_engines(tiny32, monkeyp
     on the host while the runner prepares the step, outside its forward calls: that
     time is the backend's, so it must land in attention, not in the engine's share."""
     from minibatch_engine.attention.reference import ReferenceBackend
-    pause, build = 0.02, ReferenceBackend.build_metadata
+    pause, build = 0.1, ReferenceBackend.build_metadata    # far above a step's own work, even on a busy machine
 
     def slow_build(self, *args, **kwargs):
         time.sleep(pause)

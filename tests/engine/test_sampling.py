@@ -58,16 +58,14 @@ def test_stop_tokens_and_eos(tiny64):
 
 
 def _row_reference(logits, p):
-    """One row the slow way: divide, mask by a full sort, softmax."""
+    """One row the slow way: divide, mask by the tie rule read literally, softmax."""
     x = logits.double() / p.temperature
     if p.top_k and p.top_k < x.numel():
         x = x.masked_fill(x < torch.sort(x, descending=True).values[p.top_k - 1], float("-inf"))
-    if p.top_p < 1.0:
-        sorted_x, order = torch.sort(x, descending=True)
-        probs = torch.softmax(sorted_x, -1)
-        drop = probs.cumsum(-1) - probs >= p.top_p
-        drop[0] = False
-        x = x.masked_fill(torch.zeros_like(drop).scatter(0, order, drop), float("-inf"))
+    if p.top_p < 1.0:           # out: the tokens whose strictly more likely ones hold top_p or more
+        probs = torch.softmax(x, -1)
+        before = ((probs[None, :] > probs[:, None]) * probs[None, :]).sum(1)
+        x = x.masked_fill(before >= p.top_p, float("-inf"))
     return torch.softmax(x, -1)
 
 
