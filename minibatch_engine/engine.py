@@ -181,6 +181,9 @@ class Engine:
                              f"[0, {vocab}): {bad[:5]}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(params, name)
+            if v is not None and self.model is None:
+                raise ValueError(f"request {rid}: {name} needs a model's logits, and the simulator "
+                                 "computes none (its tokens are placeholders)")
             if v is not None and v > vocab:
                 raise ValueError(f"request {rid}: {name}={v} asks for more tokens than the vocabulary "
                                  f"holds ({vocab})")

@@ -32,7 +32,7 @@ REFUSED_BOTH = {
     "cache_salt": (None,), "request_id": (None,), "tools": (None, []), "tool_choice": (None, "none"),
     "functions": (None, []), "function_call": (None, "none"), "service_tier": (None, "auto", "default"),
     "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
-    "web_search_options": (None,), "reasoning_effort": (None,),
+    "web_search_options": (None,), "reasoning_effort": (None,), "store": (None, False),
     "best_of": (None,),            # checked against n by the protocol
 }
 REFUSED_CHAT = {"echo": (None, False), "chat_template": (None,), "chat_template_kwargs": (None, {}),
@@ -50,6 +50,10 @@ def refuse_unimplemented(body: dict, chat: bool, error) -> None:
             if name in body and not any(body[name] == v and type(body[name]) is type(v) or
                                         (body[name] is None and v is None) for v in off):
                 raise error(f"'{name}' is not supported by this server{_hint(name)}", name)
+    opts = body.get("stream_options")
+    if isinstance(opts, dict) and opts.get("continuous_usage_stats"):
+        raise error("'stream_options.continuous_usage_stats' is not supported by this server "
+                    "(usage comes in the last chunk with include_usage)", "stream_options.continuous_usage_stats")
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         raise error("'response_format' is not supported by this server except {\"type\": \"text\"} "

@@ -133,3 +133,10 @@ def test_float32_logprobs_are_close_to_float64(tiny32, tiny64):
     out = LLM(tiny32).generate([PROMPTS[0]], SamplingParams(max_tokens=4, logprobs=2, prompt_logprobs=2),
                                use_tqdm=False)[0]
     check(tiny64, PROMPTS[0], out, 2, 2, tol=1e-4)
+
+
+def test_the_simulator_refuses_logprobs():
+    from minibatch_engine import EngineConfig
+    engine = Engine(None, EngineConfig(sim_gpu="H100-SXM", sim_model="llama-3-8b"))
+    with pytest.raises(ValueError, match="logprobs"):
+        engine.add_request([1, 2, 3], SamplingParams(logprobs=1))

@@ -189,7 +189,7 @@ def _on(name):
             "service_tier": "flex", "modalities": ["audio"], "chat_template_kwargs": {"x": 1},
             "guided_choice": ["a", "b"], "guided_json": {"type": "object"}, "guided_regex": "a+",
             "structured_outputs": {"choice": ["a"]}, "prompt_logprobs": 1, "top_logprobs": 2,
-            "best_of": 3}.get(name, "x")
+            "best_of": 3, "store": True}.get(name, "x")
 
 
 @pytest.mark.parametrize("chat", [False, True])
@@ -227,3 +227,10 @@ def test_chat_top_logprobs_needs_logprobs(server):
     status, err = post(server, "/v1/chat/completions", {"model": "tiny", "top_logprobs": 2,
                                                         "messages": [{"role": "user", "content": "x"}]})
     assert status == 400 and err["error"]["param"] == "top_logprobs"
+
+
+def test_continuous_usage_stats_refused(server):
+    status, err = post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "stream": True,
+                                                   "stream_options": {"include_usage": True,
+                                                                      "continuous_usage_stats": True}})
+    assert status == 400 and err["error"]["param"] == "stream_options.continuous_usage_stats"
