@@ -53,7 +53,7 @@ from .metrics import RequestTiming
 from .request import FinishReason, Request
 from .sampling import SamplingParams
 from .logits_process import with_bad_words
-from .stop_strings import cut_at, holdback
+from .stop_strings import cut_at, holdback, min_tokens_text
 from .trace import Trace
 
 
@@ -403,7 +403,9 @@ class AsyncLLM:
         full = decode(st.request.output_token_ids[:st.sent])
         if full.endswith("\ufffd") and not last:
             return "", False
-        cut = cut_at(full, st.request.sampling_params) if st.stop else None
+        params = st.request.sampling_params
+        cut = cut_at(full, params, min_tokens_text(st.request.output_token_ids, decode, params)) \
+            if st.stop else None
         if cut is not None:
             full = full[:max(cut, len(st.text))]
         elif not last and st.stop:

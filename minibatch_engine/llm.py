@@ -14,7 +14,7 @@ from .request import check_priority
 from .sampling import SamplingParams
 from .logits_process import with_bad_words
 from .logprobs import as_dicts
-from .stop_strings import cut_at, tokens_within
+from .stop_strings import cut_at, min_tokens_text, tokens_within
 
 
 @dataclass
@@ -141,9 +141,10 @@ def completion(index: int, req, decode) -> CompletionOutput:
     ids, text = list(req.output_token_ids), None if decode is None else decode(req.output_token_ids)
     reason = None if req.finish_reason is None else str(req.finish_reason)
     if text is not None and req.sampling_params.stop:
-        cut = cut_at(text, req.sampling_params)
+        after = min_tokens_text(ids, decode, req.sampling_params)
+        cut = cut_at(text, req.sampling_params, after)
         if cut is not None:
-            ids, text, reason = ids[:tokens_within(ids, decode, req.sampling_params.stop)], text[:cut], "stop"
+            ids, text, reason = ids[:tokens_within(ids, decode, req.sampling_params.stop, after)], text[:cut], "stop"
     lps = None if req.logprobs is None else as_dicts(req.logprobs[:len(ids)], decode)
     total = None if req.logprobs is None else sum(e[1][0] for e in req.logprobs[:len(ids)])
     return CompletionOutput(index, text, ids, reason, lps, total)

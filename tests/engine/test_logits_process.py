@@ -185,3 +185,29 @@ def test_engine_checks_what_needs_the_model(tiny64):
         llm.generate([[1, 2]], SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
     with pytest.raises(ValueError, match="bad_words"):             # the engine has no tokenizer
         Engine(tiny64).add_request([1, 2], SamplingParams(bad_words=["x"]))
+
+
+def test_min_tokens_holds_stop_strings_back():
+    """vLLM checks stop strings from the min_tokens-th token on: one that ends
+    earlier does not stop the output (offline and streamed alike)."""
+    import asyncio
+    from minibatch_engine import AsyncLLM
+    llm = LLM("tiny")
+    text = llm.generate(["hello"], SamplingParams(max_tokens=30), use_tqdm=False)[0].outputs[0].text
+    stop = text[1:3]
+    ids = llm.generate(["hello"], SamplingParams(max_tokens=30), use_tqdm=False)[0].outputs[0].token_ids
+    m = 8                                                   # past the stop string's first occurrence
+    assert len(llm.tokenizer.decode(ids[:m - 1])) > text.find(stop) + len(stop)
+    held = llm.generate(["hello"], SamplingParams(max_tokens=30, stop=[stop], min_tokens=m), use_tqdm=False)
+    later = text.find(stop, len(llm.tokenizer.decode(ids[:m - 1])) - len(stop) + 1)
+    want = text if later < 0 else text[:later]
+    assert held[0].outputs[0].text == want
+
+    async def streamed():
+        a = AsyncLLM("tiny")
+        try:
+            return "".join([o.text async for o in a.stream("hello", SamplingParams(
+                max_tokens=30, stop=[stop], min_tokens=m))])
+        finally:
+            await a.shutdown()
+    assert asyncio.run(streamed()) == want
