@@ -146,8 +146,8 @@ def apply_logits_processors(logits: torch.Tensor, params: Sequence, histories: S
                 ban_r.append(i)
                 ban_t.append(w[-1])
         if p.min_tokens and len(out) < p.min_tokens:
-            stops = set(p.stop_token_ids)
-            if eos_token_id is not None and not p.ignore_eos:
+            stops = {t for t in p.stop_token_ids if t < vocab}      # (an id past it can never be drawn)
+            if eos_token_id is not None and not p.ignore_eos and eos_token_id < vocab:
                 stops.add(eos_token_id)
             ban_r += [i] * len(stops)
             ban_t += sorted(stops)

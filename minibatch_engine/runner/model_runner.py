@@ -154,7 +154,6 @@ class ModelRunner(Runner):
             self.pending_prompt_rows.pop(rid, None)
             self.token_ids.pop(rid, None)
             if self.proposer is not None:
-                self.token_ids.pop(rid, None)
                 self.proposer.free(rid)
         for p in sched.preempted:
             self.pending_prompt_rows.pop(p.request_id, None)
