@@ -52,7 +52,8 @@ from .inputs import as_token_ids, check_arrival_time, encode_text
 from .metrics import RequestTiming
 from .request import FinishReason, Request
 from .sampling import SamplingParams
-from .stop_strings import find_stop, holdback
+from .logits_process import with_bad_words
+from .stop_strings import cut_at, holdback, min_tokens_text
 from .trace import Trace
 
 
@@ -72,6 +73,8 @@ class StreamOutput:
     index: int                      # how many output tokens the request has, this one included
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: tuple | None = None   # this token's entry (SamplingParams.logprobs; minibatch_engine.logprobs)
+    prompt_logprobs: list | None = None   # on the first output: the prompt's entries (prompt_logprobs)
 
     @property
     def finished(self) -> bool:
@@ -167,6 +170,7 @@ class AsyncLLM:
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need text: this model has no tokenizer (use stop_token_ids)")
         ids, text = self._encode(prompt)
+        params = with_bad_words(params, self.tokenizer, "sampling_params")
         rid = str(request_id) if request_id is not None else f"stream-{next(self._ids)}"
         if rid in self._streams:
             raise ValueError(f"request_id {rid!r} is already streaming")
@@ -348,7 +352,10 @@ class AsyncLLM:
                 last = req.is_finished and i == len(new) - 1
                 text, stopped = self._text_delta(st, decode, last)
                 reason = "stop" if stopped else str(req.finish_reason) if last else None
-                st.queue.put_nowait(StreamOutput(req.request_id, tok, text, st.sent, reason, _error(req, reason)))
+                st.queue.put_nowait(StreamOutput(
+                    req.request_id, tok, text, st.sent, reason, _error(req, reason),
+                    None if req.logprobs is None else req.logprobs[st.sent - 1],
+                    req.prompt_logprobs if st.sent == 1 else None))
                 if stopped:                     # a stop string: the engine need not go on
                     if not req.is_finished:
                         self.engine.abort(req.request_id)
@@ -402,7 +409,9 @@ class AsyncLLM:
         full = decode(st.request.output_token_ids[:st.sent])
         if full.endswith("\ufffd") and not last:
             return "", False
-        cut = find_stop(full, st.stop) if st.stop else None
+        params = st.request.sampling_params
+        cut = cut_at(full, params, min_tokens_text(st.request.output_token_ids, decode, params)) \
+            if st.stop else None
         if cut is not None:
             full = full[:max(cut, len(st.text))]
         elif not last and st.stop:

@@ -88,6 +88,8 @@ class Engine:
                        if model is not None else
                        SimRunner(acceptance_rate=spec.sim_acceptance_rate if spec else 0.0,
                                  seed=spec.seed if spec else 0, proposer=proposer))
+        if model is not None:
+            self.runner.eos_token_id = self.eos_token_id     # min_tokens holds it back
         self.trace = Trace()
         self.pending: list[tuple[float, int, Request]] = []   # future arrivals (heap)
         self.sim_now = 0.0
@@ -176,6 +178,36 @@ class Engine:
         return PagedKVCache(mc, blocks, cfg.block_size, dtype,
                             enable_prefix_caching=cfg.enable_prefix_caching, watermark=cfg.watermark,
                             kv_cache_dtype=cfg.kv_cache_dtype)
+
+    def _check_sampling(self, rid: str, ids: list[int], params: SamplingParams) -> list[int]:
+        """What only the engine can check in sampling parameters (the vocabulary,
+        the context length); returns the prompt cut to ``truncate_prompt_tokens``."""
+        vocab = self.model_config.vocab_size
+        bad = [t for t, _ in params.logit_bias or () if t >= vocab]
+        if bad:
+            raise ValueError(f"request {rid}: logit_bias names token ids outside the vocabulary "
+                             f"[0, {vocab}): {bad[:5]}")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(params, name)
+            if v is not None and self.model is None:
+                raise ValueError(f"request {rid}: {name} needs a model's logits, and the simulator "
+                                 "computes none (its tokens are placeholders)")
+            if v is not None and v > vocab:
+                raise ValueError(f"request {rid}: {name}={v} asks for more tokens than the vocabulary "
+                                 f"holds ({vocab})")
+        if params.bad_words and not params.bad_words_token_ids:
+            raise ValueError(f"request {rid}: bad_words {list(params.bad_words)!r} need a tokenizer: "
+                             "pass them through LLM or AsyncLLM, or set bad_words_token_ids")
+        if any(t >= vocab for w in params.bad_words_token_ids for t in w):
+            raise ValueError(f"request {rid}: bad_words_token_ids hold ids outside [0, {vocab})")
+        k = params.truncate_prompt_tokens
+        if k is not None:
+            keep = self.max_model_len - params.max_tokens if k == -1 else k
+            if keep < 1:
+                raise ValueError(f"request {rid}: truncate_prompt_tokens=-1 leaves no room: max_tokens "
+                                 f"({params.max_tokens}) fills max_model_len ({self.max_model_len})")
+            ids = ids[-keep:]
+        return ids
 
     def _make_model_runner(self, model, proposer) -> ModelRunner:
         """The runner, with the tensors the scheduler's bookkeeping stands for: the
@@ -280,6 +312,7 @@ class Engine:
         if bad:
             raise ValueError(f"request {rid}: prompt token ids out of range [0, {self.model_config.vocab_size}): "
                              f"{bad[:5]}")
+        ids = self._check_sampling(rid, ids, params)
         if rid in self._known_ids:
             raise ValueError(f"request_id {rid!r} is already in use")
         if SAMPLE_ID.fullmatch(rid):

@@ -12,7 +12,9 @@ from .inputs import as_prompt_list, check_arrival_time, encode_text
 from .metrics import RequestMetrics, request_metrics
 from .request import check_priority
 from .sampling import SamplingParams
-from .stop_strings import find_stop, tokens_within
+from .logits_process import with_bad_words
+from .logprobs import as_dicts
+from .stop_strings import cut_at, min_tokens_text, tokens_within
 
 
 @dataclass
@@ -27,6 +29,8 @@ class CompletionOutput:
     text: str | None
     token_ids: list[int]
     finish_reason: str | None
+    logprobs: list | None = None            # SamplingParams.logprobs: one {token_id: Logprob} per token
+    cumulative_logprob: float | None = None
 
 
 @dataclass
@@ -40,6 +44,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics
+    prompt_logprobs: list | None = None     # SamplingParams.prompt_logprobs: None, then one dict per token
 
     def __repr__(self) -> str:
         """Readable: the prompt and each sample's text (or tokens), finish reason
@@ -116,6 +121,7 @@ class LLM:
         reqs = []
         for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
             ids, text = self._encode(prompt, i)
+            params = with_bad_words(params, self.tokenizer, f"sampling_params[{i}]")
             reqs.append(engine.add_request(
                 ids, params, request_id=str(i), prompt_text=text,
                 arrival_time=None if arrival_times is None else arrival_times[i],
@@ -127,7 +133,8 @@ class LLM:
         return [RequestOutput(r.request_id, r.prompt, r.prompt_token_ids,
                               [completion(k, x, decode) for k, x in enumerate(engine.samples_of(r.request_id))],
                               all(x.is_finished for x in engine.samples_of(r.request_id)),
-                              request_metrics(r, engine.trace))
+                              request_metrics(r, engine.trace),
+                              None if r.prompt_logprobs is None else as_dicts(r.prompt_logprobs, decode))
                 for r in reqs]
 
 
@@ -137,7 +144,10 @@ def completion(index: int, req, decode) -> CompletionOutput:
     ids, text = list(req.output_token_ids), None if decode is None else decode(req.output_token_ids)
     reason = None if req.finish_reason is None else str(req.finish_reason)
     if text is not None and req.sampling_params.stop:
-        cut = find_stop(text, req.sampling_params.stop)
+        after = min_tokens_text(ids, decode, req.sampling_params)
+        cut = cut_at(text, req.sampling_params, after)
         if cut is not None:
-            ids, text, reason = ids[:tokens_within(ids, decode, req.sampling_params.stop)], text[:cut], "stop"
-    return CompletionOutput(index, text, ids, reason)
+            ids, text, reason = ids[:tokens_within(ids, decode, req.sampling_params.stop, after)], text[:cut], "stop"
+    lps = None if req.logprobs is None else as_dicts(req.logprobs[:len(ids)], decode)
+    total = None if req.logprobs is None else sum(e[1][0] for e in req.logprobs[:len(ids)])
+    return CompletionOutput(index, text, ids, reason, lps, total)

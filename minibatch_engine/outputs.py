@@ -183,7 +183,9 @@ class RunnerOutput:
     by the runner's proposer after sampling, for sequences that sampled (the
     scheduler stores them on the requests that go on decoding);
     ``draft_shapes``: (new tokens, context after) of each sequence in each of the
-    draft model's forwards, which the simulator prices."""
+    draft model's forwards, which the simulator prices. ``logprobs`` and
+    ``prompt_logprobs``: for requests that ask for them, plain-list entries
+    (:mod:`minibatch_engine.logprobs`)."""
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
@@ -192,6 +194,10 @@ class RunnerOutput:
     sample_s: float = 0.0       # wall seconds in sampling (and the copy to host)
     draft_s: float = 0.0        # wall seconds in the proposer
     draft_shapes: list[list[tuple[int, int]]] = field(default_factory=list)
+    # log-probabilities (minibatch_engine.logprobs): request id -> one entry per sampled token,
+    # and request id -> (first prompt position, entries) for the prompt tokens this step scored
+    logprobs: dict[str, list] = field(default_factory=dict)
+    prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)
 
     @property
     def num_sampled_tokens(self) -> int:

@@ -98,10 +98,23 @@ class Request:
     first_scheduled_step: int | None = None
     token_steps: list[int] = field(default_factory=list)
     finish_step: int | None = None
+    logprobs: list | None = None              # one entry per output token (SamplingParams.logprobs)
+    prompt_logprobs: list | None = None       # one per prompt token, None first (prompt_logprobs)
     _token_ids: list[int] = field(default_factory=list, init=False, repr=False)   # prompt + outputs
 
     def __post_init__(self):
         self._token_ids = list(self.prompt_token_ids) + list(self.output_token_ids)
+        if self.logprobs is None and self.sampling_params.logprobs is not None:
+            self.logprobs = []
+        if self.prompt_logprobs is None and self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+
+    def add_prompt_logprobs(self, first: int, entries: list) -> None:
+        """Record the prompt log-probabilities of positions ``first``, ``first + 1``, ...;
+        positions already recorded (recomputed after a preemption) are kept as they were."""
+        for i, e in enumerate(entries):
+            if first + i == len(self.prompt_logprobs) and first + i < self.num_prompt_tokens:
+                self.prompt_logprobs.append(e)
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -36,6 +36,18 @@ class SamplingParams:
     ``stop``: strings that end the output where they first appear, left out of
     its text (vLLM's ``stop``); text is checked after detokenising, by the front
     door (``LLM``, ``AsyncLLM``), as vLLM checks it outside its engine core.
+
+    The rest are vLLM's, with vLLM's meaning, applied inside the batched sampler
+    (:mod:`minibatch_engine.logits_process`): ``presence_penalty``,
+    ``frequency_penalty``, ``repetition_penalty``, ``min_p``, ``min_tokens``,
+    ``logit_bias`` (token id -> bias, stored as sorted pairs), ``bad_words``
+    (strings, turned into ``bad_words_token_ids`` by the front door's
+    tokenizer), ``include_stop_str_in_output``, ``truncate_prompt_tokens``
+    (keep the prompt's last k tokens; -1: as many as fit), and
+    log-probabilities (:mod:`minibatch_engine.logprobs`): ``logprobs=N`` returns
+    each sampled token's log-probability and the N most likely tokens',
+    ``prompt_logprobs=N`` the same for every prompt token; both from the raw
+    model distribution (vLLM V1's default ``logprobs_mode``).
     """
 
     max_tokens: int = 16
@@ -47,6 +59,18 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     stop: str | Sequence[str] = field(default_factory=tuple)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0
+    logit_bias: Any = None
+    bad_words: Sequence[str] = field(default_factory=tuple)
+    bad_words_token_ids: Sequence[Sequence[int]] = field(default_factory=tuple)
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self):
         def integer(name, low, high=None):
@@ -86,6 +110,8 @@ class SamplingParams:
             raise ValueError(f"SamplingParams.stop must be a string or a list of non-empty strings, "
                              f"got {self.stop!r}")
         object.__setattr__(self, "stop", tuple(stop))
+        from .logits_process import check_params
+        check_params(self)
 
     def max_proposals(self, num_output_tokens: int) -> int:
         """Proposed tokens worth verifying after ``num_output_tokens`` outputs

@@ -40,6 +40,8 @@ import torch
 from ..attention import get_attention_backend
 from ..attention.metadata import long_tensor
 from ..model.config import PAD_ID
+from ..logits_process import apply_logits_processors, needs_history, needs_processing
+from ..logprobs import token_logprobs, wide
 from ..sampling import sample, sampling_probs
 from ..outputs import RunnerOutput, SchedulerOutput
 from ..speculative.proposer import Proposer
@@ -73,6 +75,23 @@ class ModelRunner(Runner):
             set_cpu_threads(cpu_threads)    # the free cores (before prepacking times them)
             prepack_linear_weights(model)
         self.generators: dict[str, torch.Generator] = {}   # request id -> its sampling RNG
+        self.eos_token_id: int | None = None                # min_tokens holds EOS back (set by the engine)
+        # prompt logprobs under chunked prefill: request id -> (position, log-softmax row) of the
+        # chunk's last row, which scores the next chunk's first token
+        self.pending_prompt_rows: dict[str, tuple[int, torch.Tensor]] = {}
+
+    @staticmethod
+    def _wants_prompt_rows(s) -> bool:
+        """A prompt chunk of a request asking for prompt log-probabilities: every row's logits."""
+        return s.sampling_params.prompt_logprobs is not None and s.start < s.num_prompt_tokens \
+            and not s.spec_token_ids
+
+    def rows_per_seq(self, sched: SchedulerOutput) -> list[int]:
+        """Rows of logits each scheduled sequence gets: 1 (its last token), k + 1
+        (verifying k proposals), or every token of a prompt chunk whose prompt
+        log-probabilities are asked for."""
+        return [s.num_spec_tokens + 1 if s.spec_token_ids else
+                s.num_tokens if self._wants_prompt_rows(s) else 1 for s in sched.scheduled]
 
     def prepare_inputs(self, sched: SchedulerOutput):
         """(input_ids, positions, attention metadata) of the step, on the device.
@@ -84,12 +103,13 @@ class ModelRunner(Runner):
         positions: list[int] = []
         query_lens, seq_lens, tables = [], [], []
         logits_rows: list[int] = []
-        spec = any(s.spec_token_ids for s in sched.scheduled)
-        for s in sched.scheduled:
+        counts = self.rows_per_seq(sched)
+        spec = any(c > 1 for c in counts)        # some sequence needs more than its last row
+        for s, c in zip(sched.scheduled, counts):
             n, start = s.num_tokens, s.start
             if spec:
                 end = len(ids) + n
-                logits_rows += range(end - 1 - s.num_spec_tokens, end)
+                logits_rows += range(end - c, end)
             if n == 1:                               # a decode: its one known token
                 ids.append(s.token_ids[0])
                 positions.append(start)
@@ -131,9 +151,12 @@ class ModelRunner(Runner):
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         for rid in sched.finished_request_ids:
             self.generators.pop(rid, None)
+            self.pending_prompt_rows.pop(rid, None)
+            self.token_ids.pop(rid, None)
             if self.proposer is not None:
-                self.token_ids.pop(rid, None)
                 self.proposer.free(rid)
+        for p in sched.preempted:
+            self.pending_prompt_rows.pop(p.request_id, None)
         if self.proposer is not None:
             for p in sched.preempted:               # its KV is gone: so is the draft's
                 self.proposer.free(p.request_id)
@@ -142,8 +165,8 @@ class ModelRunner(Runner):
             carry_out(sched.block_copies, self.kv_pool, self.host_pool)
         if sched.is_empty:
             return out
-        if self.proposer is not None:
-            for s in sched.scheduled:
+        for s in sched.scheduled:                   # the tokens the proposer or the penalties read
+            if self.proposer is not None or needs_history(s.sampling_params):
                 self._track_tokens(s)
         t0 = time.perf_counter()
         if self.graphs is not None and self.graphs.can_run(sched):
@@ -162,21 +185,22 @@ class ModelRunner(Runner):
         # proposals has k + 1 rows and is verified instead. A request whose
         # sampling fails is reported in out.errors; the others are unaffected.
         rows, seqs, row = [], [], 0
-        for s in sched.scheduled:
+        for s, c in zip(sched.scheduled, self.rows_per_seq(sched)):
             if s.spec_token_ids:
-                k = len(s.spec_token_ids)
                 try:
-                    out.sampled_token_ids[s.request_id] = self._verify(s, logits[row:row + k + 1])
+                    out.sampled_token_ids[s.request_id] = self._verify(s, logits[row:row + c])
                 except (RuntimeError, ValueError) as e:
                     out.errors[s.request_id] = f"verification failed: {e}"
-                row += k
-            elif s.samples_token:
-                rows.append(row)
-                seqs.append((s.request_id, s.sampling_params))
-                for fork in s.forks:
-                    rows.append(row)
-                    seqs.append((fork.request_id, fork.sampling_params))
-            row += 1
+            else:
+                if c > 1 or s.request_id in self.pending_prompt_rows:
+                    self._prompt_logprobs(s, logits[row:row + c], out)
+                if s.samples_token:
+                    rows.append(row + c - 1)
+                    seqs.append((s.request_id, s.sampling_params))
+                    for fork in s.forks:
+                        rows.append(row + c - 1)
+                        seqs.append((fork.request_id, fork.sampling_params))
+            row += c
         if rows:
             gens = []
             for rid, params in seqs:
@@ -188,18 +212,75 @@ class ModelRunner(Runner):
             # Every row in order, once each (no forks, no proposals): sample the logits as they are.
             every_row = rows == list(range(logits.shape[0]))
             errors: dict[int, str] = {}
-            tokens = sample(logits if every_row else logits[rows], [p for _, p in seqs], gens, errors).tolist()
+            params = [p for _, p in seqs]
+            raw = logits if every_row else logits[rows]
+            picked = raw
+            if any(needs_processing(p) for p in params):
+                picked = apply_logits_processors(raw, params, self._histories(sched, seqs),
+                                                 self._num_prompt(sched, seqs), self.eos_token_id)
+            tokens = sample(picked, params, gens, errors).tolist()
             for i, ((rid, _), t) in enumerate(zip(seqs, tokens)):
                 if i in errors:
                     out.errors.setdefault(rid, errors[i])
                 elif rid not in out.errors:
                     out.sampled_token_ids[rid] = [t]
+            want = [i for i, p in enumerate(params) if p.logprobs is not None and seqs[i][0] in out.sampled_token_ids]
+            if want:                                    # from the raw distribution (module doc of logprobs)
+                entries = token_logprobs(raw[want], [tokens[i] for i in want], [params[i].logprobs for i in want])
+                for i, e in zip(want, entries):
+                    out.logprobs[seqs[i][0]] = [e]
+            if self.proposer is None:                   # forks inherit the tracked tokens of their parent
+                self._track_forks(sched, out)
         t2 = time.perf_counter()
         out.forward_s, out.sample_s = t1 - t0, t2 - t1
         if self.proposer is not None:
             self._propose(sched, out)
             out.draft_s = time.perf_counter() - t2
         return out
+
+    def _histories(self, sched: SchedulerOutput, seqs) -> list:
+        """Each sampled sequence's tokens so far (None where its processors need
+        none); a fork sampling for the first time has its parent's."""
+        parent = {f.request_id: s.request_id for s in sched.scheduled for f in s.forks}
+        return [self.token_ids.get(parent.get(rid, rid)) if needs_history(p) else None for rid, p in seqs]
+
+    @staticmethod
+    def _num_prompt(sched: SchedulerOutput, seqs) -> list[int]:
+        n = {s.request_id: s.num_prompt_tokens for s in sched.scheduled}
+        n.update({f.request_id: s.num_prompt_tokens for s in sched.scheduled for f in s.forks})
+        return [n[rid] for rid, _ in seqs]
+
+    def _track_forks(self, sched: SchedulerOutput, out: RunnerOutput) -> None:
+        """A forked sample starts from its parent's tokens plus its own first one."""
+        for s in sched.scheduled:
+            if s.forks and s.request_id in self.token_ids:
+                for f in s.forks:
+                    if f.request_id in out.sampled_token_ids:
+                        self.token_ids[f.request_id] = self.token_ids[s.request_id] + out.sampled_token_ids[f.request_id]
+
+    def _prompt_logprobs(self, s, logits: torch.Tensor, out: RunnerOutput) -> None:
+        """Prompt log-probabilities this chunk settles (:mod:`minibatch_engine.logprobs`):
+        the row of position p scores the token at p + 1; the chunk's last row
+        waits for the next chunk's first token, unless the prompt ends here."""
+        P, known = s.num_prompt_tokens, s.token_ids
+        lp = torch.log_softmax(wide(logits), dim=-1)
+        pending = self.pending_prompt_rows.pop(s.request_id, None)
+        rows, targets, first = [], [], s.start + 1
+        if pending is not None and pending[0] == s.start:
+            rows.append(pending[1][None])
+            targets.append(known[0])
+            first = s.start
+        whole = len(lp) == len(known)                # every row of the chunk is here
+        m = max(0, min(len(known) - 1, P - s.start - 1)) if whole else 0
+        if m:
+            rows.append(lp[:m])
+            targets += known[1:m + 1]
+        if whole and s.start + len(known) < P:
+            self.pending_prompt_rows[s.request_id] = (s.start + len(known), lp[-1])
+        if targets:
+            n = s.sampling_params.prompt_logprobs
+            out.prompt_logprobs[s.request_id] = (first, token_logprobs(torch.cat(rows), targets,
+                                                                       [n] * len(targets), normalised=True))
 
     def _track_tokens(self, s) -> None:
         """Keep the runner's copy of a request's tokens: all before ``start``,
@@ -228,10 +309,12 @@ class ModelRunner(Runner):
             for f in s.forks:
                 if f.request_id in sampled:
                     history[f.request_id] = parent + sampled[f.request_id]
-                    add(f.request_id, history[f.request_id], s.num_prompt_tokens, f.sampling_params)
+                    if speculable(f.sampling_params):
+                        add(f.request_id, history[f.request_id], s.num_prompt_tokens, f.sampling_params)
             if s.request_id in sampled:
                 parent += sampled[s.request_id]
-                add(s.request_id, parent, s.num_prompt_tokens, s.sampling_params)
+                if speculable(s.sampling_params):
+                    add(s.request_id, parent, s.num_prompt_tokens, s.sampling_params)
         out.spec_token_ids = self.proposer.propose(seqs)
         out.draft_shapes = self.proposer.last_draft_shapes
 
@@ -242,3 +325,11 @@ class ModelRunner(Runner):
             return verify_greedy(torch.argmax(logits, dim=-1).tolist(), s.spec_token_ids)
         probs = sampling_probs(logits, [p] * logits.shape[0])
         return rejection_sample(probs, s.spec_token_ids, generator=self._generator(s.request_id, p))
+
+
+def speculable(params) -> bool:
+    """Requests whose logits are processed or whose log-probabilities are asked
+    for are not speculated: they decode one token per step, sampled as without
+    speculation (verification samples from temperature, top-k and top-p only)."""
+    return params.logprobs is None and not needs_processing(params)
+

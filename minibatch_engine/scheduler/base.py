@@ -119,6 +119,8 @@ class Scheduler(ABC):
         else:
             r.num_computed_tokens = s.start + s.num_tokens
             self.kv_cache.mark_computed(r.request_id, r.all_token_ids, r.num_computed_tokens, s.start)
+            if out.prompt_logprobs and r.request_id in out.prompt_logprobs:
+                r.add_prompt_logprobs(*out.prompt_logprobs[r.request_id])
         if not s.samples_token:
             return
         forks = [self._fork(r, k) for k in range(1, len(s.forks) + 1)]
@@ -126,6 +128,8 @@ class Scheduler(ABC):
             if errors and seq.request_id in errors:
                 finished += self._fail([seq], errors, step)
                 continue
+            if out.logprobs and seq.request_id in out.logprobs:
+                seq.logprobs.extend(out.logprobs[seq.request_id])
             for token in sampled[seq.request_id]:
                 seq.append_token(token, step)
                 if seq.is_finished:

@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import replace
 
+from ..kv.base import NO_PREFIX
 from ..request import Request, RequestStatus
 from ..outputs import ScheduledRequest, SchedulerOutput
 from .config import check_token_budget
@@ -235,7 +236,9 @@ class ContinuousScheduler(Scheduler):
         what this step computes (keeping the cache's watermark free). Returns the
         tokens granted (0: not admitted, nothing taken) and whether KV memory,
         not the token budget, was what stopped it."""
-        prefix = self.kv_cache.find_cached_prefix(req.all_token_ids, req.block_hashes)
+        # a prompt found in the cache has no logits: prompt log-probabilities skip the lookup (vLLM V1)
+        prefix = NO_PREFIX if req.sampling_params.prompt_logprobs is not None else \
+            self.kv_cache.find_cached_prefix(req.all_token_ids, req.block_hashes)
         remaining = req.num_tokens - prefix.num_tokens
         n = remaining if remaining <= token_budget else (token_budget if self.enable_chunked_prefill else 0)
         # The watermark keeps room for running requests to grow; with none running

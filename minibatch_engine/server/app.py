@@ -42,8 +42,10 @@ from .access import CorsPolicy, add_cors_headers, api_key_middleware, cors_middl
 from .chat_template import byte_level_chat
 from .limits import ConnectionLimits, read_body
 from .metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
+from ..logits_process import with_bad_words
 from .protocol import (APIError, GenerationRequest, choice, new_id, parse_json, parse_request, response,
                        usage)
+from .request_fields import chat_logprobs, completion_logprobs, prompt_logprobs_json
 
 LLM_KEY = web.AppKey("llm", AsyncLLM)
 STATE_KEY = web.AppKey("state", dict)
@@ -169,7 +171,8 @@ async def _read(request, chat: bool) -> GenerationRequest:
 
 def _encode(llm: AsyncLLM, req: GenerationRequest, template) -> list[list[int]]:
     """Every prompt as token ids, checked against the vocabulary and the context length."""
-    texts = [template(req.messages)] if req.chat else req.prompts
+    texts = [template(req.messages, add_generation_prompt=req.add_generation_prompt)] if req.chat \
+        else req.prompts
     vocab, limit, out = llm.engine.model_config.vocab_size, _limit(llm), []
     for i, p in enumerate(texts):
         param = "messages" if req.chat else "prompt"
@@ -187,6 +190,9 @@ def _encode(llm: AsyncLLM, req: GenerationRequest, template) -> list[list[int]]:
                 raise APIError(f"prompt token ids must be in [0, {vocab}), got {bad[:3]}", param)
         if not ids:
             raise APIError("the prompt is empty", param)
+        k = req.params.truncate_prompt_tokens           # vLLM's: keep the last k tokens (-1: all that fit)
+        if k is not None:
+            ids = ids[-max(1, limit - req.params.max_tokens if k == -1 else k):]
         room = limit - len(ids)
         if room < 1 or (req.max_tokens_given and req.params.max_tokens > room):
             raise APIError(f"this model's maximum context length is {limit} tokens; the prompt has {len(ids)} "
@@ -204,6 +210,10 @@ async def _generate(request, chat: bool):
         raise APIError(f"The model `{req.model}` does not exist.", "model", 404)
     if req.params.stop and llm.tokenizer is None:
         raise APIError("'stop' needs a tokenizer, and this model has none: use stop_token_ids", "stop")
+    try:
+        req.params = with_bad_words(req.params, llm.tokenizer, "bad_words")
+    except ValueError as e:
+        raise APIError(str(e), "bad_words") from None
     prompts = _encode(llm, req, st["chat_template"])
     if llm._error is not None:
         raise APIError("the engine loop has failed", status=503)
@@ -230,6 +240,40 @@ async def _generate(request, chat: bool):
     finally:
         admission.release()
         st["in_flight"] -= 1
+
+
+def _decoder(llm: AsyncLLM):
+    """Token ids -> text: a token's name in the logprobs fields, or a prompt's
+    text. A lone token whose text is not valid UTF-8 (one byte of a character)
+    and every token of a model without a tokenizer are named ``token_id:N``, as
+    vLLM names tokens with ``return_tokens_as_token_ids``: distinct tokens keep
+    distinct names."""
+    if llm.tokenizer is None:
+        return lambda ids: "".join(f"token_id:{t}" for t in ids)
+    decode = llm.tokenizer.decode
+
+    def name(ids):
+        text = decode(ids)
+        return f"token_id:{ids[0]}" if len(ids) == 1 and (not text or "\ufffd" in text) else text
+    return name
+
+
+def _prompt_text(req, prompts, i: int, decode) -> str:
+    """The echoed prompt of choice ``i``: the text sent, or its token ids decoded."""
+    p = req.prompts[i // req.n]
+    return p if isinstance(p, str) and req.params.truncate_prompt_tokens is None else decode(prompts[i // req.n])
+
+
+def _logprobs_json(req, prompts, i: int, ids: list, entries: list, prompt_entries, decode, offset=0):
+    """A choice's ``logprobs`` in the endpoint's shape (None when not asked for)."""
+    if req.params.logprobs is None:
+        return None
+    n = req.params.logprobs
+    if req.chat:
+        return chat_logprobs(entries, n, decode)
+    if req.echo and prompt_entries is not None:
+        ids, entries = list(prompts[i // req.n]) + ids, list(prompt_entries) + entries
+    return completion_logprobs(ids, entries, n, decode, offset)
 
 
 class Admission:
@@ -285,14 +329,30 @@ async def _merged(llm: AsyncLLM, rid: str, jobs, priority: int,
 
 async def _whole(req, rid, prompts, jobs, st, llm, admission):
     model = st["model"]
-    texts, counts, reasons = {}, {}, {}
+    texts, counts, reasons, ids, entries, prompt_entries = {}, {}, {}, {}, {}, {}
     async with aclosing(_merged(llm, rid, jobs, req.priority, admission)) as outs:
         async for i, out in outs:
             texts[i] = texts.get(i, "") + (out.text or "")
             counts[i] = counts.get(i, 0) + (out.token_id is not None)
+            if out.token_id is not None:
+                ids.setdefault(i, []).append(out.token_id)
+                entries.setdefault(i, []).append(out.logprobs)
+            if out.prompt_logprobs is not None:
+                prompt_entries[i] = out.prompt_logprobs
             if out.finished:
                 reasons[i] = out.finish_reason
-    choices = [choice(i, texts.get(i, ""), reasons.get(i), req.chat) for i in range(len(jobs))]
+    decode = _decoder(llm)
+    choices = []
+    for i in range(len(jobs)):
+        text = texts.get(i, "")
+        if req.echo:
+            text = _prompt_text(req, prompts, i, decode) + text
+        c = choice(i, text, reasons.get(i), req.chat,
+                   logprobs=_logprobs_json(req, prompts, i, ids.get(i, []), entries.get(i, []),
+                                           prompt_entries.get(i), decode))
+        if req.params.prompt_logprobs is not None and i in prompt_entries:
+            c["prompt_logprobs"] = prompt_logprobs_json(prompt_entries[i], decode)
+        choices.append(c)
     return web.json_response(response(rid, model, choices, req.chat,
                                       usage_=usage(sum(map(len, prompts)), sum(counts.values()))))
 
@@ -306,6 +366,7 @@ async def _stream(request, req, rid, prompts, jobs, st, admission):
     model = st["model"]
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     created, tokens = int(time.time()), 0
+    decode, offsets = _decoder(request.app[LLM_KEY]), {}
 
     async def send(obj) -> None:
         await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
@@ -318,10 +379,21 @@ async def _stream(request, req, rid, prompts, jobs, st, admission):
             async with aclosing(_merged(request.app[LLM_KEY], rid, jobs, req.priority, admission)) as outs:
                 async for i, out in outs:
                     tokens += out.token_id is not None
+                    if req.echo and i not in offsets:        # the prompt first, as vLLM streams an echo
+                        text = _prompt_text(req, prompts, i, decode)
+                        lps = _logprobs_json(req, prompts, i, [], [], out.prompt_logprobs, decode)
+                        offsets[i] = len(text)
+                        await send(response(rid, model, [choice(i, text, None, False, logprobs=lps)], False,
+                                            chunk=True, created=created))
                     if out.token_id is not None or out.finished:     # one chunk per token, as vLLM streams
+                        lps = None
+                        if out.token_id is not None and out.logprobs is not None:
+                            lps = _logprobs_json(req, prompts, i, [out.token_id], [out.logprobs], None,
+                                                 decode, offsets.get(i, 0))
+                            offsets[i] = offsets.get(i, 0) + len(out.text or "")
                         await send(response(rid, model, [choice(i, out.text or "", out.finish_reason, req.chat,
-                                                                delta=True)], req.chat, chunk=True,
-                                            created=created))
+                                                                delta=True, logprobs=lps)], req.chat,
+                                            chunk=True, created=created))
                     if out.finish_reason == "error":     # that choice failed in its own step: say why
                         await send(APIError(f"choice {i}: {out.error}", status=500).body())
         except (ValueError, TypeError) as e:     # refused by the engine after the headers went out

@@ -5,10 +5,12 @@ Every check names the field it refuses (``APIError.param``), and the server
 answers it with HTTP 400 and OpenAI's error shape
 ``{"error": {"message", "type", "param", "code"}}``, with the HTTP status in
 ``code`` as vLLM does (OpenAI's own ``code`` is a string or null, and its
-``type`` values differ). Fields OpenAI defines but
-this engine does not implement (``logprobs``, penalties, ``suffix``, ...) are
-refused by name when set, never silently ignored; fields nobody defines are
-ignored, as OpenAI's own server does.
+``type`` values differ). Fields OpenAI or vLLM define but
+this engine does not implement (``suffix``, ``tools``, guided decoding, ...)
+are refused by name when set, never silently ignored
+(:mod:`.request_fields`, which also reads the sampling extensions and
+log-probabilities); fields nobody defines are ignored, as OpenAI's own server
+does.
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from dataclasses import dataclass, field
 
 from ..request import check_priority
 from ..sampling import SamplingParams
+from .request_fields import refuse_unimplemented, sampling_fields
 
 MAX_N = 128                     # most choices per request
 
@@ -55,18 +58,14 @@ class GenerationRequest:
     max_tokens_given: bool
     chat: bool = False
     messages: list = field(default_factory=list)
+    echo: bool = False                   # completions: the prompt leads the text (and its logprobs)
+    add_generation_prompt: bool = True   # chat: the template opens the assistant's turn
 
     def choice_params(self, k: int) -> SamplingParams:
         """Sampling for choice ``k`` of a prompt: vLLM's n > 1 rule, seed + k."""
         import dataclasses
         p = self.params
         return p if k == 0 or p.seed is None else dataclasses.replace(p, seed=p.seed + k)
-
-
-UNSUPPORTED = {"logprobs": (None, False, 0), "top_logprobs": (None, 0), "suffix": (None, ""),
-               "echo": (None, False), "logit_bias": (None, {}), "presence_penalty": (None, 0, 0.0),
-               "frequency_penalty": (None, 0, 0.0), "tools": (None, []), "response_format": (None,),
-               "tool_choice": (None, "none")}
 
 
 def parse_json(raw: bytes):
@@ -174,9 +173,8 @@ def parse_request(body, chat: bool) -> GenerationRequest:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise APIError(f"'model' must be a string, got {model!r}", "model")
-    for name, allowed in UNSUPPORTED.items():
-        if name in body and body[name] not in allowed:
-            raise APIError(f"'{name}' is not supported by this server", name)
+    refuse_unimplemented(body, chat, APIError)
+    extra, echo, add_generation_prompt = sampling_fields(body, chat, APIError)
     messages = _messages(body) if chat else []
     prompts = [] if chat else _prompts(body)
     mt_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
@@ -204,14 +202,20 @@ def parse_request(body, chat: bool) -> GenerationRequest:
     include_usage = _bool(opts or {}, "include_usage", False)
     if opts is not None and not stream:
         raise APIError("'stream_options' is only allowed with 'stream': true", "stream_options")
-    params = SamplingParams(
-        max_tokens=max_tokens or 16,       # the caller replaces an absent chat max_tokens with the room left
-        temperature=_float(body, "temperature", 1.0, lambda v: v >= 0, "a number >= 0"),
-        top_p=_float(body, "top_p", 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]"),
-        top_k=max(0, top_k), seed=_int(body, "seed", None, 0, 2**63 - MAX_N),
-        stop=tuple(stop), stop_token_ids=tuple(stop_ids), ignore_eos=_bool(body, "ignore_eos", False))
+    try:
+        params = SamplingParams(
+            max_tokens=max_tokens or 16,       # the caller replaces an absent chat max_tokens with the room left
+            temperature=_float(body, "temperature", 1.0, lambda v: v >= 0, "a number >= 0"),
+            top_p=_float(body, "top_p", 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]"),
+            top_k=max(0, top_k), seed=_int(body, "seed", None, 0, 2**63 - MAX_N),
+            stop=tuple(stop), stop_token_ids=tuple(stop_ids), ignore_eos=_bool(body, "ignore_eos", False),
+            **extra)
+    except ValueError as e:                # the message names SamplingParams.<field>: the field is the param
+        name = str(e).split("SamplingParams.", 1)[-1].split(" ", 1)[0] if "SamplingParams." in str(e) else None
+        raise APIError(str(e).replace("SamplingParams.", ""), name) from None
     return GenerationRequest(model, prompts, params, n, stream, include_usage,
-                             _priority(body), max_tokens is not None, chat, messages)
+                             _priority(body), max_tokens is not None, chat, messages,
+                             echo, add_generation_prompt)
 
 
 # --- responses ------------------------------------------------------------------------
@@ -225,14 +229,15 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def choice(index: int, text: str, finish_reason: str | None, chat: bool, delta: bool = False,
-           first: bool = False) -> dict:
-    """One choice of a response (``delta``: of a streamed chunk)."""
+           first: bool = False, logprobs: dict | None = None) -> dict:
+    """One choice of a response (``delta``: of a streamed chunk); ``logprobs``
+    in the endpoint's shape (:mod:`.request_fields`)."""
     if not chat:
-        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
     if delta:
         msg = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        return {"index": index, "delta": msg, "logprobs": None, "finish_reason": finish_reason}
-    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        return {"index": index, "delta": msg, "logprobs": logprobs, "finish_reason": finish_reason}
+    return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": logprobs,
             "finish_reason": finish_reason}
 
 

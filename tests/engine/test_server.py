@@ -119,7 +119,7 @@ def test_chat_streams_a_role_then_the_reply(client):
 BAD = [({"prompt": "x", "max_tokens": 0}, "max_tokens"), ({"prompt": "x", "temperature": -1}, "temperature"),
        ({"prompt": "x", "top_p": 0}, "top_p"), ({"prompt": "x", "n": "2"}, "n"), ({}, "prompt"),
        ({"prompt": [1, 99999]}, "prompt"), ({"prompt": "x", "stop": 5}, "stop"),
-       ({"prompt": "x", "max_tokens": 10**6}, "max_tokens"), ({"prompt": "x", "logprobs": 2}, "logprobs"),
+       ({"prompt": "x", "max_tokens": 10**6}, "max_tokens"), ({"prompt": "x", "logprobs": 21}, "logprobs"),
        ({"prompt": "x", "priority": 1.5}, "priority"), ({"prompt": "x", "stream_options": {}}, "stream_options")]
 
 

@@ -1,0 +1,205 @@
+"""The request fields beyond the basic ones: vLLM's sampling extensions,
+log-probabilities and ``echo``, and every known field this server does not
+implement, refused by name.
+
+Fields OpenAI or vLLM define are either honoured or refused with HTTP 400
+naming the field; never accepted and ignored (a client that asks for JSON
+output and silently gets free text is worse off than one told no). Fields
+nobody defines are ignored, as OpenAI's own server does.
+
+Log-probabilities in the response (:func:`completion_logprobs`,
+:func:`chat_logprobs`) take OpenAI's shapes as vLLM fills them: the raw model
+distribution (vLLM's default ``logprobs_mode``), at most
+:data:`MAX_LOGPROBS` alternatives per token, ``-inf`` sent as ``-9999.0``
+(JSON has no infinity).
+"""
+from __future__ import annotations
+
+import math
+
+MAX_LOGPROBS = 20               # vLLM's default --max-logprobs
+
+# Known fields not implemented: refused when set to anything but these "off" values.
+REFUSED_BOTH = {
+    "suffix": (None, ""), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
+    "early_stopping": (None, False), "allowed_token_ids": (None,), "guided_json": (None,),
+    "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,),
+    "structured_outputs": (None,), "logits_processors": (None,), "prompt_embeds": (None,),
+    "return_tokens_as_token_ids": (None, False), "return_token_ids": (None, False),
+    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    "add_special_tokens": (None, False), "vllm_xargs": (None,), "mm_processor_kwargs": (None,),
+    "cache_salt": (None,), "request_id": (None,), "tools": (None, []), "tool_choice": (None, "none"),
+    "functions": (None, []), "function_call": (None, "none"), "service_tier": (None, "auto", "default"),
+    "prediction": (None,), "audio": (None,), "modalities": (None, ["text"]),
+    "web_search_options": (None,), "reasoning_effort": (None,), "store": (None, False),
+    "best_of": (None,),            # checked against n by the protocol
+}
+REFUSED_CHAT = {"echo": (None, False), "chat_template": (None,), "chat_template_kwargs": (None, {}),
+                "continue_final_message": (None, False), "documents": (None,),
+                "include_reasoning": (None, False), "prompt_logprobs": (None,)}
+REFUSED_COMPLETIONS = {"top_logprobs": (None,)}
+
+
+def refuse_unimplemented(body: dict, chat: bool, error) -> None:
+    """Raise ``error(message, field)`` for the first known field set that is not implemented."""
+    for table in (REFUSED_BOTH, REFUSED_CHAT if chat else REFUSED_COMPLETIONS):
+        for name, off in table.items():
+            if name == "best_of":
+                continue
+            if name in body and not any(body[name] == v and type(body[name]) is type(v) or
+                                        (body[name] is None and v is None) for v in off):
+                raise error(f"'{name}' is not supported by this server{_hint(name)}", name)
+    opts = body.get("stream_options")
+    if isinstance(opts, dict) and opts.get("continuous_usage_stats"):
+        raise error("'stream_options.continuous_usage_stats' is not supported by this server "
+                    "(usage comes in the last chunk with include_usage)", "stream_options.continuous_usage_stats")
+    fmt = body.get("response_format")
+    if fmt is not None and fmt != {"type": "text"}:
+        raise error("'response_format' is not supported by this server except {\"type\": \"text\"} "
+                    "(structured output is not implemented)", "response_format")
+
+
+def _hint(name: str) -> str:
+    if name.startswith("guided_") or name == "structured_outputs":
+        return " (structured output is not implemented)"
+    if name == "skip_special_tokens":
+        return " with false (special tokens are always skipped)"
+    if name == "chat_template_kwargs":
+        return " (the model's template takes no arguments here; add_generation_prompt is a field of its own)"
+    return ""
+
+
+def sampling_fields(body: dict, chat: bool, error) -> tuple[dict, bool, bool]:
+    """``SamplingParams`` keyword arguments from the extension fields, plus
+    ``echo`` and ``add_generation_prompt``. Range checks are the
+    ``SamplingParams``'s (its messages name the field); types are checked here."""
+    kw: dict = {}
+
+    def number(name, default):
+        v = body.get(name)
+        if v is None:
+            return default
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise error(f"'{name}' must be a number, got {v!r}", name)
+        return float(v)
+
+    def integer(name):
+        v = body.get(name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+            raise error(f"'{name}' must be an integer, got {v!r}", name)
+        return v
+
+    def flag(name, default):
+        v = body.get(name)
+        if v is None:
+            return default
+        if not isinstance(v, bool):
+            raise error(f"'{name}' must be true or false, got {v!r}", name)
+        return v
+
+    for name, default in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                          ("repetition_penalty", 1.0), ("min_p", 0.0)):
+        kw[name] = number(name, default)
+    kw["min_tokens"] = integer("min_tokens") or 0
+    kw["truncate_prompt_tokens"] = integer("truncate_prompt_tokens")
+    kw["include_stop_str_in_output"] = flag("include_stop_str_in_output", False)
+    bias = body.get("logit_bias")
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise error(f"'logit_bias' must map token ids to biases, got {bias!r}", "logit_bias")
+        try:
+            kw["logit_bias"] = {int(k): v for k, v in bias.items()} or None
+        except ValueError:
+            raise error("'logit_bias' keys must be token ids (integers, as strings in JSON)",
+                        "logit_bias") from None
+    words = body.get("bad_words")
+    if words is not None:
+        if not isinstance(words, list) or not all(isinstance(w, str) for w in words):
+            raise error("'bad_words' must be a list of strings", "bad_words")
+        kw["bad_words"] = tuple(words)
+    if chat:
+        wants = flag("logprobs", False)
+        top = integer("top_logprobs")
+        if top is not None and not wants:
+            raise error("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        if top is not None and not 0 <= top <= MAX_LOGPROBS:
+            raise error(f"'top_logprobs' must be in [0, {MAX_LOGPROBS}], got {top}", "top_logprobs")
+        kw["logprobs"] = (top or 0) if wants else None
+        echo = False
+    else:
+        n = integer("logprobs")
+        if n is not None and not 0 <= n <= MAX_LOGPROBS:
+            raise error(f"'logprobs' must be in [0, {MAX_LOGPROBS}], got {n}", "logprobs")
+        kw["logprobs"] = n
+        echo = flag("echo", False)
+        pl = integer("prompt_logprobs")
+        if pl is not None and not 0 <= pl <= MAX_LOGPROBS:
+            raise error(f"'prompt_logprobs' must be in [0, {MAX_LOGPROBS}], got {pl}", "prompt_logprobs")
+        if echo and n is not None:              # echoed prompt tokens come with their logprobs
+            pl = max(n, pl or 0)
+        kw["prompt_logprobs"] = pl
+    return kw, echo, flag("add_generation_prompt", True)
+
+
+# --- responses ------------------------------------------------------------------------
+def _lp(v: float) -> float:
+    return max(v, -9999.0)
+
+
+def _tokens(entries, n: int):
+    """(token id, logprob, [(id, logprob)] of the top n) per entry."""
+    for ids, lps, _rank in entries:
+        yield ids[0], lps[0], list(zip(ids[1:1 + n], lps[1:1 + n]))
+
+
+def completion_logprobs(token_ids, entries, n: int, decode, offset: int = 0) -> dict:
+    """``/v1/completions``' ``logprobs`` for ``token_ids`` (one entry each):
+    ``tokens``, ``token_logprobs``, ``top_logprobs`` (the top n, and the token
+    itself, as vLLM gives them) and ``text_offset`` (where each token's text
+    starts, counting from ``offset``). An entry None (the first echoed prompt
+    token: nothing precedes it) gives null."""
+    out = {"text_offset": [], "token_logprobs": [], "tokens": [], "top_logprobs": []}
+    pos = offset
+    for tok, e in zip(token_ids, entries):
+        text = decode([tok])
+        out["tokens"].append(text)
+        out["text_offset"].append(pos)
+        pos += len(text)
+        if e is None:
+            out["token_logprobs"].append(None)
+            out["top_logprobs"].append(None)
+            continue
+        _, lp, top = next(_tokens([e], n))
+        out["token_logprobs"].append(_lp(lp))
+        d = {decode([t]): _lp(v) for t, v in top}
+        d.setdefault(text, _lp(lp))
+        out["top_logprobs"].append(d)
+    return out
+
+
+def chat_logprobs(entries, n: int, decode) -> dict:
+    """``/v1/chat/completions``' ``logprobs``: ``{"content": [{token, logprob,
+    bytes, top_logprobs: [{token, logprob, bytes}]}]}``."""
+    def one(t, v):
+        s = decode([t])
+        return {"token": s, "logprob": _lp(v), "bytes": list(s.encode("utf-8"))}
+    content = []
+    for tok, lp, top in _tokens(entries, n):
+        content.append({**one(tok, lp), "top_logprobs": [one(t, v) for t, v in top]})
+    return {"content": content}
+
+
+def prompt_logprobs_json(entries, decode) -> list:
+    """vLLM's ``prompt_logprobs``: None, then ``{token_id: {logprob, rank, decoded_token}}`` per token."""
+    out = []
+    for e in entries:
+        if e is None:
+            out.append(None)
+            continue
+        ids, lps, rank = e
+        d = {str(ids[0]): {"logprob": _lp(lps[0]), "rank": rank, "decoded_token": decode([ids[0]])}}
+        for j, (t, v) in enumerate(zip(ids[1:], lps[1:])):
+            d.setdefault(str(t), {"logprob": _lp(v), "rank": j + 1, "decoded_token": decode([t])})
+        out.append(d)
+    return out
