@@ -21,6 +21,7 @@ from ..async_llm import AsyncLLM
 from .app import LLM_KEY, STATE_KEY, build_app
 from .chat_template import load_chat_template
 from .limits import ConnectionLimits, make_runner, run_forever, start_site
+from .memory import limit_malloc_arenas
 
 DEFAULT_HISTORY = 4096      # steps of trace a server keeps (bounded memory: AsyncLLM's history)
 
@@ -36,6 +37,7 @@ def make_app(model="tiny", served_model_name: str | None = None, max_waiting: in
     ``metrics_prefixes`` go to :func:`~.app.build_app`."""
     from .metrics import check_prefixes
     check_prefixes(metrics_prefixes)           # a bad flag fails before the model loads
+    limit_malloc_arenas()                      # before the engine loop's thread starts (.memory)
     if served_model_name is not None and not (isinstance(served_model_name, str) and served_model_name.strip()):
         raise ValueError(f"--served-model-name must be a non-empty name, got {served_model_name!r}")
     source = model if isinstance(model, str) else None
