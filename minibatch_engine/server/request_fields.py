@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import math
 
+from ..logprobs import as_dicts
+
 MAX_LOGPROBS = 20               # vLLM's default --max-logprobs
 
 # Known fields not implemented: refused when set to anything but these "off" values.
@@ -192,14 +194,7 @@ def chat_logprobs(entries, n: int, decode) -> dict:
 
 def prompt_logprobs_json(entries, decode) -> list:
     """vLLM's ``prompt_logprobs``: None, then ``{token_id: {logprob, rank, decoded_token}}`` per token."""
-    out = []
-    for e in entries:
-        if e is None:
-            out.append(None)
-            continue
-        ids, lps, rank = e
-        d = {str(ids[0]): {"logprob": _lp(lps[0]), "rank": rank, "decoded_token": decode([ids[0]])}}
-        for j, (t, v) in enumerate(zip(ids[1:], lps[1:])):
-            d.setdefault(str(t), {"logprob": _lp(v), "rank": j + 1, "decoded_token": decode([t])})
-        out.append(d)
-    return out
+    return [None if d is None else
+            {str(t): {"logprob": _lp(lp.logprob), "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for t, lp in d.items()}
+            for d in as_dicts(entries, decode)]
