@@ -32,7 +32,7 @@ import shutil
 import sys
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -82,7 +82,11 @@ def load_cpu_kernel(verbose: bool = False):
         from torch.utils.cpp_extension import load
         name = extension_name()
         building = not _is_built(name)
-        with build_guard(build_directory(name)):
+        folder = build_directory(name)
+        # the guard only where a build may run or a dead one left its lock: a plain
+        # load of a built library never waits on another process's load
+        guard = build_guard(folder) if building or (Path(folder) / "lock").exists() else nullcontext()
+        with guard:
             building = building and not _is_built(name)    # another process may have built it meanwhile
             t0 = time.perf_counter()
             with _pinned_ninja(), _build_messages(name, building or verbose):
@@ -144,6 +148,7 @@ GUARD_FILE = "minibatch-build.flock"
 # does not take the guard (an older release of this package): this long untouched,
 # it is taken for dead.
 UNGUARDED_LOCK_S = 30.0
+QUIET_WAIT_S = 5.0      # waiting longer than this for the guard is said on stderr
 
 
 @contextmanager
@@ -167,11 +172,17 @@ def build_guard(folder: str):
         return
     os.makedirs(folder, exist_ok=True)
     with open(Path(folder) / GUARD_FILE, "a") as f:
-        try:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            _say(f"waiting for another process that is compiling the C++ CPU kernels in {folder}")
-            fcntl.flock(f, fcntl.LOCK_EX)
+        deadline = time.monotonic() + QUIET_WAIT_S
+        while True:                # a short wait (another process loading) says nothing
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    _say(f"waiting for another process that is compiling the C++ CPU kernels in {folder}")
+                    fcntl.flock(f, fcntl.LOCK_EX)
+                    break
+                time.sleep(0.05)
         try:
             _remove_dead_lock(Path(folder) / "lock")
             yield
