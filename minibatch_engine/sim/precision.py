@@ -39,13 +39,17 @@ WEIGHT_DTYPES: dict[str, float] = {"auto": 2.0, "fp8": 1.0,
                                    "int4": 0.5 + 2 * ACTIVATION_BYTES / INT4_GROUP_SIZE}
 
 
+def _bytes_of(table: dict, name: str, dtype):
+    """``table[dtype]``, or a ValueError naming the knob ``name`` and its choices."""
+    try:
+        return table[dtype]
+    except (KeyError, TypeError):
+        raise ValueError(f"{name} must be one of {', '.join(table)}, got {dtype!r}") from None
+
+
 def kv_bytes_per_element(kv_cache_dtype: str) -> int:
     """Bytes one cached K or V element takes (``"auto"``: bf16, 2)."""
-    try:
-        return KV_CACHE_DTYPES[kv_cache_dtype]
-    except (KeyError, TypeError):
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
-                         f"got {kv_cache_dtype!r}") from None
+    return _bytes_of(KV_CACHE_DTYPES, "kv_cache_dtype", kv_cache_dtype)
 
 
 def kv_bytes_per_token_head(head_dim: int, kv_cache_dtype: str) -> int:
@@ -57,11 +61,7 @@ def kv_bytes_per_token_head(head_dim: int, kv_cache_dtype: str) -> int:
 
 def weight_bytes_per_element(weight_dtype: str) -> float:
     """Bytes one projection weight takes, scales included (``"auto"``: bf16, 2)."""
-    try:
-        return WEIGHT_DTYPES[weight_dtype]
-    except (KeyError, TypeError):
-        raise ValueError(f"weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, "
-                         f"got {weight_dtype!r}") from None
+    return _bytes_of(WEIGHT_DTYPES, "weight_dtype", weight_dtype)
 
 
 def projection_parameters(model: ModelConfig) -> int:

@@ -24,24 +24,8 @@ from minibatch_engine.server import ServerThread, make_app  # noqa: E402
 from minibatch_engine.server.metrics import parse_metrics  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-OPTS = dict(device="cpu", attention_backend="sdpa", max_num_seqs=32, max_model_len=256)
+from .server_fixtures import OPTS, client, offline, server  # noqa: E402,F401 (fixtures)
 PROMPTS = ["The cat", "Serving under load", "a"]
-
-
-@pytest.fixture(scope="module")
-def server():
-    with ServerThread(make_app("tiny", **OPTS)) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="EMPTY", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def offline():
-    return LLM("tiny", **OPTS)
 
 
 def metrics(server) -> dict:

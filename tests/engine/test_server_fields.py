@@ -13,26 +13,9 @@ pytest.importorskip("prometheus_client")
 
 from minibatch_engine import LLM, SamplingParams  # noqa: E402
 from minibatch_engine.model.reference import full_forward_logits  # noqa: E402
-from minibatch_engine.server import ServerThread, make_app  # noqa: E402
 from minibatch_engine.server.request_fields import REFUSED_BOTH, REFUSED_CHAT  # noqa: E402
 
-OPTS = dict(device="cpu", attention_backend="sdpa", max_num_seqs=32, max_model_len=256)
-
-
-@pytest.fixture(scope="module")
-def server():
-    with ServerThread(make_app("tiny", **OPTS)) as s:
-        yield s
-
-
-@pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="EMPTY", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def offline():
-    return LLM("tiny", **OPTS)
+from .server_fixtures import OPTS, client, offline, server  # noqa: E402,F401 (fixtures)
 
 
 def post(server, path, body):
