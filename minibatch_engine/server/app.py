@@ -368,7 +368,11 @@ async def _stream(request, req, rid, prompts, jobs, st, admission):
     created, tokens = int(time.time()), 0
     decode, offsets = _decoder(request.app[LLM_KEY]), {}
 
+    prompt_tokens = sum(map(len, prompts))
+
     async def send(obj) -> None:
+        if req.continuous_usage and obj.get("choices"):      # vLLM's continuous_usage_stats
+            obj["usage"] = usage(prompt_tokens, tokens)
         await resp.write(b"data: " + json.dumps(obj).encode() + b"\n\n")
     try:
         await resp.prepare(request)
@@ -400,7 +404,7 @@ async def _stream(request, req, rid, prompts, jobs, st, admission):
             await send(APIError(str(e)).body())
         if req.include_usage:
             await send(response(rid, model, [], req.chat, chunk=True, created=created,
-                                usage_=usage(sum(map(len, prompts)), tokens)))
+                                usage_=usage(prompt_tokens, tokens)))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
     except ConnectionResetError:                 # the client left: nothing more to send, nothing to log

@@ -60,6 +60,7 @@ class GenerationRequest:
     messages: list = field(default_factory=list)
     echo: bool = False                   # completions: the prompt leads the text (and its logprobs)
     add_generation_prompt: bool = True   # chat: the template opens the assistant's turn
+    continuous_usage: bool = False       # stream_options.continuous_usage_stats: usage in every chunk
 
     def choice_params(self, k: int) -> SamplingParams:
         """Sampling for choice ``k`` of a prompt: vLLM's n > 1 rule, seed + k."""
@@ -200,6 +201,8 @@ def parse_request(body, chat: bool) -> GenerationRequest:
         raise APIError("'stream_options' must be an object", "stream_options")
     stream = _bool(body, "stream", False)
     include_usage = _bool(opts or {}, "include_usage", False)
+    # vLLM's extension: every chunk carries the usage so far (with include_usage, as vLLM reads it)
+    continuous_usage = include_usage and _bool(opts or {}, "continuous_usage_stats", False)
     if opts is not None and not stream:
         raise APIError("'stream_options' is only allowed with 'stream': true", "stream_options")
     try:
@@ -215,7 +218,7 @@ def parse_request(body, chat: bool) -> GenerationRequest:
         raise APIError(str(e).replace("SamplingParams.", ""), name) from None
     return GenerationRequest(model, prompts, params, n, stream, include_usage,
                              _priority(body), max_tokens is not None, chat, messages,
-                             echo, add_generation_prompt)
+                             echo, add_generation_prompt, continuous_usage)
 
 
 # --- responses ------------------------------------------------------------------------

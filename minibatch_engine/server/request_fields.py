@@ -52,10 +52,6 @@ def refuse_unimplemented(body: dict, chat: bool, error) -> None:
             if name in body and not any(body[name] == v and type(body[name]) is type(v) or
                                         (body[name] is None and v is None) for v in off):
                 raise error(f"'{name}' is not supported by this server{_hint(name)}", name)
-    opts = body.get("stream_options")
-    if isinstance(opts, dict) and opts.get("continuous_usage_stats"):
-        raise error("'stream_options.continuous_usage_stats' is not supported by this server "
-                    "(usage comes in the last chunk with include_usage)", "stream_options.continuous_usage_stats")
     fmt = body.get("response_format")
     if fmt is not None and fmt != {"type": "text"}:
         raise error("'response_format' is not supported by this server except {\"type\": \"text\"} "

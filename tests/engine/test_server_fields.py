@@ -212,8 +212,16 @@ def test_chat_top_logprobs_needs_logprobs(server):
     assert status == 400 and err["error"]["param"] == "top_logprobs"
 
 
-def test_continuous_usage_stats_refused(server):
-    status, err = post(server, "/v1/completions", {"model": "tiny", "prompt": "x", "stream": True,
-                                                   "stream_options": {"include_usage": True,
-                                                                      "continuous_usage_stats": True}})
-    assert status == 400 and err["error"]["param"] == "stream_options.continuous_usage_stats"
+def test_continuous_usage_stats_puts_the_usage_so_far_in_every_chunk(client):
+    """vLLM's ``stream_options.continuous_usage_stats`` (guidellm sends it): each
+    chunk's usage counts the tokens streamed so far; the last equals the total."""
+    chunks = list(client.completions.create(
+        model="tiny", prompt="The cat", max_tokens=5, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True}))
+    counts = [c.usage.completion_tokens for c in chunks if c.choices]     # one chunk per token
+    assert counts == [1, 2, 3, 4, 5]
+    assert {c.usage.prompt_tokens for c in chunks} == {chunks[-1].usage.prompt_tokens} and not chunks[-1].choices
+    assert chunks[-1].usage.completion_tokens == 5 and chunks[-1].usage.total_tokens == 5 + chunks[-1].usage.prompt_tokens
+    plain = list(client.completions.create(model="tiny", prompt="The cat", max_tokens=5, stream=True,
+                                           stream_options={"include_usage": True}))
+    assert all(c.usage is None for c in plain if c.choices)
