@@ -48,22 +48,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from check_explorables import check_explorables, summary  # the explorables' controls and numbers
+from headless import CHROMIUM_ARGS, LOCAL, PHONE, VIEWPORT, offline
 
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
-VIEWPORT = {"width": 1280, "height": 900}
 SCREENSHOT_MAX_HEIGHT = 16000  # px (Chromium paints at most 16384); longer pages are cut
 LOAD_TIMEOUT_MS = 20_000
 SETTLE_TIMEOUT_S = 15.0  # MathJax + widget manager, per page
 CONCURRENCY = min(4, os.cpu_count() or 2)  # pages open at once
 
-PHONE = {"width": 390, "height": 844}   # an iPhone 12-15's CSS pixels
 # The pages a reader keeps at hand: checked on a phone and in print as well,
 # with the most printed pages (both sides of a sheet: 2) where one is set.
 REFERENCE_PAGES = {"book/cheat_sheet.html": 2, "book/interview_guide.html": None,
@@ -343,7 +334,7 @@ async def check_page(browser, site: Path, page_path: Path, shots: Path | None) -
 
     async def route(r):
         url = r.request.url
-        if url.startswith(("file:", "data:", "blob:")):
+        if url.startswith(LOCAL):
             await r.continue_()
         else:
             res.problems.append(f"network request blocked: {url}")
@@ -456,8 +447,7 @@ async def check_narrow(browser, site: Path, page_path: Path, max_pages: int | No
     problems: list[str] = []
     ctx = await browser.new_context(viewport=PHONE, device_scale_factor=1, service_workers="block")
     page = await ctx.new_page()
-    await page.route("**/*", lambda r: r.continue_() if r.request.url.startswith(("file:", "data:", "blob:"))
-                     else r.abort("blockedbyclient"))
+    await page.route("**/*", offline)
     try:
         await page.goto(page_path.as_uri(), wait_until="load", timeout=LOAD_TIMEOUT_MS)
         problems += [f"phone ({PHONE['width']} px): {m}" for m in await page.evaluate(NARROW_PROBE)]
