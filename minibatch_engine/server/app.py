@@ -40,6 +40,7 @@ from ..inputs import encode_text
 from . import tokenize_routes
 from .access import CorsPolicy, add_cors_headers, api_key_middleware, cors_middleware
 from .chat_template import byte_level_chat
+from .errors import error_middleware
 from .limits import ConnectionLimits, read_body
 from .metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from ..logits_process import with_bad_words
@@ -69,7 +70,7 @@ def build_app(llm: AsyncLLM, model_name: str, max_waiting: int = 1024, chat_temp
     llm.stat_loggers.append(metrics)
     guards = ([cors_middleware(cors)] if cors is not None else []) + \
         ([api_key_middleware(api_keys)] if api_keys else [])
-    app = web.Application(middlewares=[*guards, _errors])
+    app = web.Application(middlewares=[*guards, error_middleware(refused=(ValueError, TypeError))])
     if cors is not None:
         app.on_response_prepare.append(add_cors_headers(cors))
     app[LLM_KEY] = llm
@@ -83,27 +84,6 @@ def build_app(llm: AsyncLLM, model_name: str, max_waiting: int = 1024, chat_temp
     app.on_shutdown.append(_drain)
     app.on_cleanup.append(_shutdown)
     return app
-
-
-@web.middleware
-async def _errors(request, handler):
-    try:
-        return await handler(request)
-    except APIError as e:
-        return error_response(e)
-    except ConnectionResetError:                # the client left while its body was read: nothing to answer
-        return web.Response(status=499, reason="Client Closed Request")
-    except (ValueError, TypeError) as e:            # the engine refused what the checks let through
-        return web.json_response(APIError(str(e)).body(), status=400)
-
-
-def error_response(e: APIError) -> web.Response:
-    """``e`` in OpenAI's shape; 503 adds ``Retry-After``; 408 (a body that never
-    came whole) closes the connection."""
-    resp = web.json_response(e.body(), status=e.status, headers={"Retry-After": "1"} if e.status == 503 else None)
-    if e.status == 408:
-        resp.force_close()
-    return resp
 
 
 async def _drain(app: web.Application) -> None:
