@@ -15,7 +15,8 @@ renders here renders with no network.  A page fails when:
 * an image does not load (naturalWidth == 0) or a local file request fails;
 * an internal link points to a missing file or a missing anchor id;
 * a widget view (``application/vnd.jupyter.widget-view+json``) or a
-  ``.jupyter-widgets`` element is still empty after the widget manager ran;
+  ``.jupyter-widgets`` element is still empty after the widget manager ran,
+  or the page loads the widget manager (``embed-amd.js``) and shows no widget;
 * the page logs a JavaScript error (console error or uncaught exception), or
   tries to reach the network at all;
 * code is clipped at a 1280 px window: a code cell's source or output, or a
@@ -72,7 +73,7 @@ async (settleMs) => {
   const deadline = Date.now() + settleMs;
   const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
   const out = {mathjax: null, raw_math: [], untypeset: 0, merror: [],
-               images: [], widget_views: 0, widgets_empty: [], ids: [],
+               images: [], widget_views: 0, widget_problems: [], ids: [],
                links: [], timeouts: []};
 
   // --- MathJax: the real MathJax replaces the config object Sphinx sets.
@@ -91,6 +92,9 @@ async (settleMs) => {
   // --- Widgets: the manager puts a .widget-subarea before each view script.
   const views = document.querySelectorAll('script[type="application/vnd.jupyter.widget-view+json"]');
   out.widget_views = views.length;
+  if (!views.length && document.querySelector('script[src*="embed-amd.js"]')) {
+    out.widget_problems.push("loads the widget manager (embed-amd.js) but shows no widget");
+  }
   const rendered = (v) => {
     const sub = v.previousElementSibling;
     if (!(sub && sub.classList.contains("widget-subarea") && sub.querySelector("*"))) return false;
@@ -102,7 +106,7 @@ async (settleMs) => {
     if (!rendered(v)) {
       let id = "?";
       try { id = JSON.parse(v.textContent).model_id; } catch (e) {}
-      out.widgets_empty.push(`widget view #${i + 1} (model ${id}) not rendered`);
+      out.widget_problems.push(`widget view #${i + 1} (model ${id}) not rendered`);
     }
   });
   // A rendered widget's root is a non-empty .jupyter-widgets element (an
@@ -110,7 +114,7 @@ async (settleMs) => {
   for (const el of document.querySelectorAll(".jupyter-widgets")) {
     if (!el.matches(".widget-output, .jupyter-widgets-output-area") && el.childElementCount === 0
         && el.textContent.trim() === "") {
-      out.widgets_empty.push(`empty .jupyter-widgets element (${el.className})`);
+      out.widget_problems.push(`empty .jupyter-widgets element (${el.className})`);
     }
   }
 
@@ -401,7 +405,7 @@ async def check_page(browser, site: Path, page_path: Path, shots: Path | None) -
     for im in probe["images"]:
         if not im["ok"]:
             res.problems.append(f"image did not load: {im['raw']}")
-    res.problems += probe["widgets_empty"]
+    res.problems += probe["widget_problems"]
     res.links, link_problems = check_links(page_path, site, probe["links"], set(probe["ids"]))
     res.problems += link_problems
 
