@@ -312,15 +312,17 @@ async def _whole(req, rid, prompts, jobs, st, llm, admission):
     texts, counts, reasons, ids, entries, prompt_entries = {}, {}, {}, {}, {}, {}
     async with aclosing(_merged(llm, rid, jobs, req.priority, admission)) as outs:
         async for i, out in outs:
+            if out.prompt_logprobs is not None:
+                prompt_entries[i] = out.prompt_logprobs
+            if out.finished:
+                reasons[i] = "length" if req.echo_only and out.finish_reason == "stop" else out.finish_reason
+            if req.echo_only:                   # the one token computed is not part of the reply
+                continue
             texts[i] = texts.get(i, "") + (out.text or "")
             counts[i] = counts.get(i, 0) + (out.token_id is not None)
             if out.token_id is not None:
                 ids.setdefault(i, []).append(out.token_id)
                 entries.setdefault(i, []).append(out.logprobs)
-            if out.prompt_logprobs is not None:
-                prompt_entries[i] = out.prompt_logprobs
-            if out.finished:
-                reasons[i] = out.finish_reason
     decode = _decoder(llm)
     choices = []
     for i in range(len(jobs)):
@@ -362,6 +364,9 @@ async def _stream(request, req, rid, prompts, jobs, st, admission):
         try:
             async with aclosing(_merged(request.app[LLM_KEY], rid, jobs, req.priority, admission)) as outs:
                 async for i, out in outs:
+                    if req.echo_only:                    # max_tokens 0: the one token computed is not sent
+                        out = dataclasses.replace(out, token_id=None, text="", logprobs=None, finish_reason=(
+                            "length" if out.finish_reason == "stop" else out.finish_reason))
                     tokens += out.token_id is not None
                     if req.echo and i not in offsets:        # the prompt first, as vLLM streams an echo
                         text = _prompt_text(req, prompts, i, decode)
