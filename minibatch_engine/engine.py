@@ -163,6 +163,7 @@ class Engine:
         budget = cfg.kv_budget_bytes if explicit else self._kv_budget(per_token + draft_per_token, extra, device)
         # the target's share: its tokens and as many draft tokens, after the draft's extra room
         total, budget = budget, max(0, budget - extra) * per_token // (per_token + draft_per_token)
+        self.kv_budget_bytes, self._draft_kv_share = total, total - budget if draft_per_token else 0
         share = (f" ({total} bytes less the draft model's share, {total - budget})" if draft_per_token else "")
         if cfg.kv_layout == "reserved":
             rows = min(cfg.max_num_seqs, budget // (per_token * cfg.max_model_len))
@@ -178,6 +179,16 @@ class Engine:
         return PagedKVCache(mc, blocks, cfg.block_size, dtype,
                             enable_prefix_caching=cfg.enable_prefix_caching, watermark=cfg.watermark,
                             kv_cache_dtype=cfg.kv_cache_dtype)
+
+    def kv_split(self) -> dict[str, int]:
+        """How the KV memory budget is shared: the target's cache and the draft
+        model's (speculative decoding; 0 without a draft), in bytes and blocks.
+        The simulator has no draft cache: its share is the bytes set aside."""
+        draft = getattr(getattr(self.runner, "proposer", None), "kv_cache", None)
+        return {"kv_budget_bytes": self.kv_budget_bytes, "target_kv_bytes": self.kv_cache.capacity_bytes,
+                "target_kv_blocks": self.kv_cache.num_blocks,
+                "draft_kv_bytes": draft.capacity_bytes if draft is not None else self._draft_kv_share,
+                "draft_kv_blocks": draft.num_blocks if draft is not None else 0}
 
     def _check_sampling(self, rid: str, ids: list[int], params: SamplingParams) -> list[int]:
         """What only the engine can check in sampling parameters (the vocabulary,

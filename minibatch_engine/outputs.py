@@ -36,9 +36,9 @@ class ScheduledRequest:
     K/V of the new tokens go there). ``prefix_token_ids``: on the step that
     admits the request from the waiting queue (or swaps it back in), its
     tokens before ``start`` (those found in the prefix cache, or those whose
-    K/V came back from host memory; empty from position 0), so a runner that
-    keeps its own copy of each request's tokens (for speculative decoding's
-    proposer) starts it whole; None on the steps after (vLLM V1's
+    K/V came back from host memory; empty from position 0), so the runner's
+    persistent batch (:mod:`~minibatch_engine.runner.input_batch`) starts it
+    whole; None on the steps after (vLLM V1's
     ``NewRequestData`` and ``CachedRequestData``). Built by the scheduler
     (:meth:`of`), read-only afterwards.
     """
