@@ -3,7 +3,8 @@
 :class:`SchedulerOutput` is the scheduler's decision, :class:`RunnerOutput` the
 runner's answer. Both hold only ints, strings, lists, tuples and small
 dataclasses of those (a :class:`~minibatch_engine.sampling.SamplingParams` is
-one): no ``Request``, no tensor, no KV manager. Each scheduled request carries
+one; the step's grammar bitmask is a numpy array): no ``Request``, no tensor,
+no KV manager. Each scheduled request carries
 what the runner needs to compute it (its token ids, positions, block table,
 sampling parameters), so the runner never reads a request, and a
 ``SchedulerOutput`` survives a ``pickle`` round trip unchanged, as it would
@@ -15,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .sampling import SamplingParams
+from .structured_output import GrammarBitmask
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +132,8 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)
     # KV blocks the runner copies before the forward, in the order the scheduler decided them
     block_copies: list[BlockCopy] = field(default_factory=list)
+    # structured output: the token masks of the sequences that sample under a grammar
+    grammar: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:

@@ -15,7 +15,9 @@ The runner owns the sampling state: one ``torch.Generator`` per seeded request,
 keyed by request id and dropped when the scheduler reports the request
 finished, so a seeded request draws the same tokens whatever it is batched
 with. It never sees a request: the SchedulerOutput carries the token ids,
-positions, block tables and sampling parameters it needs.
+positions, block tables and sampling parameters it needs, and for structured
+output the step's grammar bitmask, which sets the forbidden tokens' logits to
+``-inf`` before sampling (the log-probabilities stay the raw model's).
 
 The runner keeps a persistent batch (:mod:`.input_batch`, vLLM V1's
 ``InputBatch``): its own record of each running request's tokens,
@@ -50,6 +52,7 @@ from ..sampling import sample, sampling_probs
 from ..outputs import RunnerOutput, SchedulerOutput
 from ..speculative.proposer import Proposer
 from ..speculative.verify import rejection_sample, verify_greedy
+from ..structured_output import apply_bitmask
 from ..kv.pool import carry_out
 from .base import Runner
 from .input_batch import InputBatch
@@ -225,6 +228,10 @@ class ModelRunner(Runner):
             if any(needs_processing(p) for p in params):
                 picked = apply_logits_processors(raw, params, self._histories(sched, seqs),
                                                  self._num_prompt(sched, seqs), self.eos_token_id)
+            if sched.grammar is not None:               # structured output: -inf where the grammar says no
+                which = sched.grammar.rows              # sequence id -> its row of the bitmask
+                masked = [i for i, (rid, _) in enumerate(seqs) if rid in which]
+                picked = apply_bitmask(picked, sched.grammar.bitmask, masked, [which[seqs[i][0]] for i in masked])
             tokens = sample(picked, params, gens, errors).tolist()
             for i, ((rid, _), t) in enumerate(zip(seqs, tokens)):
                 if i in errors:
@@ -319,8 +326,10 @@ class ModelRunner(Runner):
 
 
 def speculable(params) -> bool:
-    """Requests whose logits are processed or whose log-probabilities are asked
-    for are not speculated: they decode one token per step, sampled as without
-    speculation (verification samples from temperature, top-k and top-p only)."""
-    return params.logprobs is None and not needs_processing(params)
+    """Requests whose logits are processed, whose log-probabilities are asked
+    for, or whose output follows a grammar (structured output) are not
+    speculated: they decode one token per step, sampled as without speculation
+    (verification samples from temperature, top-k and top-p only, and
+    proposals are not checked against a grammar)."""
+    return params.logprobs is None and not needs_processing(params) and params.structured_outputs is None
 

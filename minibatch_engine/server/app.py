@@ -194,6 +194,13 @@ async def _generate(request, chat: bool):
         req.params = with_bad_words(req.params, llm.tokenizer, "bad_words")
     except ValueError as e:
         raise APIError(str(e), "bad_words") from None
+    if req.params.structured_outputs is not None:   # compiled now (and cached): a bad grammar is a 400 by name
+        try:
+            llm.engine.check_grammar(req.params)
+        except ValueError as e:
+            field = req.structured_field
+            raise APIError(str(e) if field == "structured_outputs" else f"{e} (asked for by '{field}')",
+                           field) from None
     prompts = _encode(llm, req, st["chat_template"])
     if llm._error is not None:
         raise APIError("the engine loop has failed", status=503)
