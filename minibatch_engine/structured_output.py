@@ -38,8 +38,10 @@ Interactions, decided:
 * parallel sampling (``n > 1``): each forked sample gets its own matcher,
   a copy of its parent's taken before either samples;
 * chunked prefill and prefix caching: masks apply only to rows that sample;
-* log-probabilities: of the raw model distribution, before the mask (vLLM's
-  default ``logprobs_mode``), so a token the grammar forbids can be listed.
+* log-probabilities: of the raw model distribution, before the mask, so a
+  token the grammar forbids can be listed (vLLM masks the logits before its
+  sampler computes them, so its log-probabilities are renormalised over the
+  allowed tokens).
 """
 from __future__ import annotations
 

@@ -64,7 +64,7 @@ def _hint(name: str) -> str:
     if name == "guided_decoding_backend":
         return " (structured output always runs on xgrammar)"
     if name == "guided_whitespace_pattern":
-        return " (structured_outputs.disable_any_whitespace chooses compact or free JSON whitespace)"
+        return " (structured_outputs.disable_any_whitespace chooses fixed or free JSON whitespace)"
     if name == "skip_special_tokens":
         return " with false (special tokens are always skipped)"
     if name == "chat_template_kwargs":

@@ -292,8 +292,9 @@ def test_speculative_decoding_skips_constrained_requests(tiny64):
 
 
 def test_logprobs_are_of_the_raw_distribution(tiny64):
-    """vLLM's default: the model's log-probabilities before the mask, so tokens
-    the grammar forbids can be listed among the top ones."""
+    """The model's log-probabilities before the mask (this engine's choice;
+    vLLM's are after it), so tokens the grammar forbids can be listed among the
+    top ones."""
     g = StructuredOutputsParams(choice=["alpha", "beta"])
     llm = LLM(tiny64, attention_backend=BACKEND, tokenizer=TOK)
     params = SamplingParams(max_tokens=10, logprobs=5, structured_outputs=g)
