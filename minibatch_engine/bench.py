@@ -203,14 +203,14 @@ def run_bench(scheduler: str = "continuous", workload: str = "uniform", num_requ
         warmup(m)
     engine = Engine(m, cfg)
     specs = make_workload(workload, num_requests, seed=seed, vocab_size=vocab, arrival_rate=arrival_rate,
-                          burstiness=burstiness, clients=clients)
+                          burstiness=burstiness, clients=clients, max_model_len=engine.max_model_len)
     reqs = [engine.add_request(s.prompt_token_ids, s.sampling_params(), arrival_time=s.arrival_time,
                                priority=s.priority, client_id=s.client_id)
             for s in specs]
     with tqdm(total=len(reqs), desc=f"{'simulate' if simulate_only else 'bench'} {scheduler}",
               unit="req", disable=not progress, leave=False) as bar:
         engine.run(progress=bar.update)
-    summary = {"scheduler": scheduler, "workload": workload, "num_requests": num_requests,
+    summary = {"scheduler": scheduler, "workload": str(workload), "num_requests": len(specs),
                "arrival_rate": arrival_rate, "burstiness": burstiness,
                "max_batch": max_batch, "seed": seed, "sim_gpu": sim_gpu,
                "sim_model": sim_model if sim_gpu else None,

@@ -21,6 +21,7 @@ from .sim import GPUS
 from .model.quantization import QUANTIZATION_METHODS
 from .sim.precision import WEIGHT_DTYPES
 from .speculative.config import SPEC_METHODS
+from .request_traces import TRACE_FILES
 from .workload import CLASS_WORKLOADS, DEFAULT_SLO_E2E_S, DEFAULT_SLO_TTFT_S, parse_clients, workload_names
 
 class FORMATTER(argparse.ArgumentDefaultsHelpFormatter):
@@ -109,19 +110,43 @@ def _bench_args(p: argparse.ArgumentParser, simulate: bool, sweep: bool = False,
                             "on the wall clock; the engine options are then the server's business")
         p.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY", "EMPTY"),
                        help="with --endpoint: the bearer token (default: $OPENAI_API_KEY)")
-    p.add_argument("--workload", choices=workload_names(), default="uniform",
-                   help="prompt/output length distribution; mixed-classes: an interactive class (short, "
-                        "priority 0) and a batch class (long, priority 1)")
-    p.add_argument("--num-requests", type=positive_int, default=64, help="requests in the workload")
+    p.add_argument("--workload", choices=workload_names() + list(TRACE_FILES), default=None,
+                   help="prompt/output length distribution (default: uniform); mixed-classes: an interactive "
+                        "class (short, priority 0) and a batch class (long, priority 1); azure-conv, "
+                        "azure-code: Azure's production traces of 2023 replayed (see --trace)")
+    p.add_argument("--num-requests", type=positive_int, default=None,
+                   help="requests in the workload (default: 64; with a trace, every request of the window, "
+                        "and N keeps the window's first N)")
     p.add_argument("--seed", type=seed_int, default=0, help="workload seed")
     if not sweep:
         p.add_argument("--arrival-rate", type=positive_float, default=None,
                        help="Poisson arrivals in requests/s (default: all at time 0)")
     p.add_argument("--burstiness", type=positive_float, default=1.0,
                    help="with --arrival-rate: gamma-distributed gaps of this shape (1 = Poisson, smaller = burstier)")
+    _trace_args(p, sweep)
     _sim_args(p, simulate)
     _engine_args(p, simulate)
     _workload_tail(p, simulate, sweep)
+
+
+def _trace_args(p: argparse.ArgumentParser, sweep: bool) -> None:
+    """Replaying a request trace (request_traces.py): which one, which window, how fast."""
+    g = p.add_argument_group("trace replay (--workload azure-conv|azure-code, or --trace PATH)")
+    g.add_argument("--trace", metavar="PATH", default=None,
+                   help="replay this CSV (columns arrived_at,num_prefill_tokens,num_decode_tokens: seconds, "
+                        "prompt tokens, output tokens): its arrivals, lengths and order exactly; prompts are "
+                        "seeded random token ids, outputs exactly the given length (EOS ignored)")
+    g.add_argument("--trace-start", type=non_negative_float, default=0.0, metavar="S",
+                   help="keep the requests that arrived from S trace seconds on, re-based so S is 0 s")
+    g.add_argument("--trace-duration", type=positive_float, default=None, metavar="S",
+                   help="keep the requests that arrived in [start, start + S) trace seconds (default: to the end)")
+    g.add_argument("--time-scale", type=positive_float, default=None, metavar="X",
+                   help="arrivals X times faster (every gap divided by X): the replay's rate is the trace's "
+                        "rate times X (default: 1)" + ("; a sweep sets it from --rates instead" if sweep else ""))
+    g.add_argument("--trace-clip", action="store_true",
+                   help="shorten requests longer than --max-model-len (the prompt first, then the output) "
+                        "instead of refusing the trace; the simulator's default --max-model-len with a trace "
+                        "is the simulated model's whole context")
 
 
 def _sim_args(p: argparse.ArgumentParser, simulate: bool) -> None:
@@ -188,7 +213,9 @@ def _workload_tail(p: argparse.ArgumentParser, simulate: bool, sweep: bool) -> N
                             f"({classes}; tenants {default * 1e3:g})")
     _metric_args(p)
     if sweep:
-        p.add_argument("--rates", required=True, metavar="R,R,...", help="request rates to run (requests/s)")
+        p.add_argument("--rates", required=True, metavar="R,R,...",
+                       help="request rates to run (requests/s); with a trace, each rate replays the window "
+                            "with the time scale that brings its mean rate there (scale = R / trace rate)")
         p.add_argument("--jsonl", metavar="PATH", default="sweep.jsonl", help="one JSON row per rate")
         p.add_argument("--plot", metavar="PATH", help="save throughput-latency and goodput figures")
     else:
@@ -380,6 +407,8 @@ def main(argv=None) -> int:
         args.no_progress = True         # piped: a cleared bar would share the result's first line
     try:
         _check_output_paths(args)
+        if args.command in ("bench", "simulate", "sweep"):
+            _resolve_workload(args)
         if args.command == "generate":
             return _generate(args)
         if args.command == "sweep":
@@ -397,6 +426,38 @@ def main(argv=None) -> int:
             msg = f"{e.strerror}: {e.filename}"
         print(f"error: {_flag_names(str(msg), args.command)}", file=sys.stderr)
         return 2
+
+
+def _resolve_workload(args) -> None:
+    """A synthetic workload's defaults (uniform, 64 requests), or a trace replay:
+    ``args.workload`` becomes the :class:`~minibatch_engine.request_traces.TraceWorkload`,
+    ``args.num_requests`` the count it replays."""
+    from .model.config import PRESETS
+    from .request_traces import trace_workload
+    trace = args.trace if args.trace is not None else args.workload if args.workload in TRACE_FILES else None
+    if trace is None:
+        used = [f for f, v in (("--trace-start", args.trace_start != 0), ("--trace-duration", args.trace_duration),
+                               ("--time-scale", args.time_scale), ("--trace-clip", args.trace_clip)) if v]
+        if used:
+            raise ValueError(f"{', '.join(used)} shape a trace replay: add --workload azure-conv|azure-code "
+                             "or --trace PATH")
+        args.workload = args.workload or "uniform"
+        args.num_requests = args.num_requests or 64
+        return
+    if args.trace is not None and args.workload is not None:
+        raise ValueError(f"give --trace {args.trace} or --workload {args.workload}, not both")
+    if getattr(args, "arrival_rate", None) is not None or args.burstiness != 1 or args.clients:
+        raise ValueError("a trace brings its own arrivals: drop --arrival-rate, --burstiness and --clients "
+                         "(--time-scale X replays it X times faster)")
+    if args.command == "sweep" and args.time_scale is not None:
+        raise ValueError("sweep --rates sets the time scale of a trace (scale = rate / the trace's rate): "
+                         "drop --time-scale")
+    sim_model = getattr(args, "sim_model", None)
+    if args.max_model_len is None and sim_model is not None:
+        args.max_model_len = PRESETS[sim_model].max_position     # the simulated model's whole context
+    wl = trace_workload(trace, args.trace_start, args.trace_duration, args.time_scale or 1.0,
+                        clip=args.trace_clip, max_model_len=args.max_model_len)
+    args.workload, args.num_requests = wl, min(args.num_requests or len(wl.trace), len(wl.trace))
 
 
 # the engine's field names, as the engine's own checks name them -> the flags that set them

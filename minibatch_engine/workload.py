@@ -282,7 +282,7 @@ def _make_clients(spec, clients, num_requests, rng, vocab_size) -> list[RequestS
 
 def make_workload(name: str | WorkloadSpec, num_requests: int, seed: int = 0, vocab_size: int = 256,
                   arrival_rate: float | None = None, burstiness: float = 1.0,
-                  clients: dict[str, float] | None = None) -> list[RequestSpec]:
+                  clients: dict[str, float] | None = None, max_model_len: int | None = None) -> list[RequestSpec]:
     """``num_requests`` requests with lengths from the named workload.
 
     Prompt tokens are uniform over ``[0, vocab_size)``. ``arrival_rate`` (requests
@@ -294,7 +294,15 @@ def make_workload(name: str | WorkloadSpec, num_requests: int, seed: int = 0, vo
     request's ``client_id`` names its conversation, a system-prompt request's
     ``request_class`` its system prompt. ``clients`` (name -> requests/s) makes a multi-tenant workload instead
     of ``arrival_rate``: lengths from ``name``, arrivals per client.
+    A trace replay (:class:`~minibatch_engine.request_traces.TraceWorkload`, any
+    object with its ``make_requests``) makes its own requests; ``max_model_len``
+    is the engine's limit, which it checks its lengths against.
     """
+    if hasattr(name, "make_requests"):
+        if clients:
+            raise ValueError(f"a trace ({name}) has its own arrivals; --clients takes a length workload")
+        return name.make_requests(num_requests, seed=seed, vocab_size=vocab_size, arrival_rate=arrival_rate,
+                                  max_model_len=max_model_len)
     if num_requests < 1:
         raise ValueError(f"num_requests must be >= 1, got {num_requests}")
     rng = np.random.default_rng(seed)

@@ -19,7 +19,8 @@ LAYERS = [
     {"model", "sim"},
     {"scheduler", "speculative"},
     {"runner"},
-    {"config", "trace", "metrics", "profiling", "workload", "machine_limit", "engine_stats"},
+    {"config", "trace", "metrics", "profiling", "workload", "request_traces", "machine_limit",
+     "engine_stats"},
     {"engine"},
     {"llm", "async_llm", "bench", "sweep", "vs_transformers", "book", "cluster"},
     {"server", "endpoint_client"},          # HTTP: the OpenAI-compatible server and its load client
