@@ -194,7 +194,7 @@ class TraceWorkload:
         if len(over) and not self.clip:
             k = over[0]
             raise ValueError(f"trace {self.trace.name}: {len(over)} of {len(prompts)} requests need more than "
-                             f"max_model_len={limit} tokens, the first at CSV line {lines[k]} ({prompts[k]} "
+                             f"max_model_len ({limit}) tokens, the first at CSV line {lines[k]} ({prompts[k]} "
                              f"prompt + {outputs[k]} output); raise max_model_len (up to the model's context), "
                              "choose a window without them, or clip them (--trace-clip)")
         outputs = np.minimum(outputs, limit - 1)
