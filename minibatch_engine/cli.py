@@ -98,7 +98,8 @@ def _bench_args(p: argparse.ArgumentParser, simulate: bool, sweep: bool = False,
                    help="static (padded batches) or continuous (iteration-level)")
     p.add_argument("--max-batch", type=positive_int, default=256, help="most sequences per step (max_num_seqs)")
     p.add_argument("--max-model-len", type=_checked(int, lambda v: v >= 2, "an integer >= 2"), default=None,
-                   help="longest prompt + output (default: min(model max_position, 1024))")
+                   help="longest prompt + output (default: min(model max_position, 1024); the simulator "
+                        "replaying a trace: the simulated model's max_position)")
     if serve:
         _engine_args(p, simulate)
         _model_args(p)
