@@ -207,7 +207,7 @@ def summarize_endpoint(records, specs, *, url, model, workload, seed, arrival_ra
     """The summary dict of :func:`bench_endpoint` (keys as ``bench``'s)."""
     done = [r for r in records if r.timing.num_output_tokens and r.error is None]
     out_tokens = sum(r.timing.num_output_tokens for r in done)
-    s = {"endpoint": url, "model": model, "workload": workload, "num_requests": len(specs),
+    s = {"endpoint": url, "model": model, "workload": str(workload), "num_requests": len(specs),
          "arrival_rate": arrival_rate, "burstiness": burstiness, "seed": seed, "clock": "wall",
          "latency_source": "client", "finished_requests": len(done),
          "failed_requests": sum(r.error is not None for r in records), "output_tokens": out_tokens}
