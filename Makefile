@@ -15,6 +15,7 @@ TORCH_INDEX ?=
 STAMP   := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.test-installed
 LAB_STAMP := $(VENV)/.lab-installed
+CLIENTS_STAMP := $(VENV)/.clients-installed
 # The venv's IPython kernel configuration (tools/ipython_kernel_config.py): it
 # drops ipykernel's "running over TCP without encryption" warning, which every
 # kernel nbval and nbconvert start on this machine's loopback would print.
@@ -35,6 +36,7 @@ LAB_ROOT := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
 LAB_ARGS ?=
 
 .PHONY: help install install-test book build test unit test-slow kernels nbval notebooks lab check-lab gpu-check clean
+.PHONY: test-clients
 .PHONY: site-assets check-site site-check-if-browser
 
 help:  ## this list
@@ -122,6 +124,17 @@ test:  ## setup, C++ kernels, unit and slow tests, nbval, the -W build, the brow
 	for t in $$times; do printf '  %-11s %5d\n' "$${t%%=*}" "$${t#*=}"; done; \
 	printf '  %-11s %5d\n' total $$(( $$(date +%s) - start )); \
 	exit $$status
+
+# The `clients` extra is installed once (a stamp). Its tests (marked slow) also
+# run in `make test-slow` once it is there; without it they skip, saying what to
+# install.
+$(CLIENTS_STAMP): $(TEST_STAMP)
+	$(PY) -m pip install -e ".[book,$(TEST_EXTRAS),clients]"
+	touch $(CLIENTS_STAMP)
+
+CLIENT_TESTS := tests/engine/test_guidellm_client.py tests/engine/test_lm_eval_client.py
+test-clients: $(CLIENTS_STAMP)  ## guidellm and lm-eval against a live `serve` (the clients extra, ~700 MB; ~3 min)
+	$(PY) -m pytest -q -p no:cacheprovider --durations=5 $(CLIENT_TESTS)
 
 notebooks: $(TEST_STAMP) $(KERNEL_CFG) kernels  ## re-execute every chapter in place (fresh stored outputs; MINIBATCH_RECOMPUTE=1 stores the sweeps again)
 	for nb in $(NOTEBOOKS); do \

@@ -13,10 +13,11 @@ from .model import ModelConfig, build_model, get_preset, load_model, reference_g
 from .request import Request, RequestStatus
 from .sampling import SamplingParams
 from .speculative.config import SpeculativeConfig
+from .structured_output import StructuredOutputsParams
 from .workload import make_workload
 
 __all__ = ["LLM", "RequestOutput", "CompletionOutput", "AsyncLLM", "StreamOutput", "SamplingParams", "Engine", "EngineConfig",
-           "SpeculativeConfig", "Request",
+           "SpeculativeConfig", "StructuredOutputsParams", "Request",
            "RequestStatus", "ModelConfig", "build_model", "get_preset", "load_model",
            "reference_generate", "make_workload"]
 __version__ = "0.1.0"

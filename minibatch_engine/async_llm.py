@@ -129,7 +129,7 @@ class AsyncLLM:
         self.model = resolve_model(model, device=device, dtype=dtype, seed=seed, quantization=quantization)
         self.tokenizer = tokenizer if tokenizer is not None else tokenizer_for(getattr(self.model, "source", None))
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
-        self.engine = Engine(self.model, config, eos_token_id=eos)
+        self.engine = Engine(self.model, config, eos_token_id=eos, tokenizer=self.tokenizer)
         self.history = history
         if history is not None:
             self.engine.trace = Trace(max_steps=history)   # checks the value

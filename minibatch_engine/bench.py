@@ -51,6 +51,10 @@ def summarize(engine: Engine, requests, ps=DEFAULT_PERCENTILES, goodput=None) ->
     spec = engine.config.speculative
     s["speculative_method"] = spec.method if spec else None
     s["num_speculative_tokens"] = spec.num_speculative_tokens if spec else 0
+    if spec and spec.method == "draft_model":     # the budget's split between the target's KV and the draft's
+        split = engine.kv_split()
+        s["kv_budget_bytes"], s["draft_kv_bytes"], s["draft_kv_blocks"] = (
+            split["kv_budget_bytes"], split["draft_kv_bytes"], split["draft_kv_blocks"])
     if spec:
         s["spec_proposed_tokens"] = sum(st.spec_proposed for st in trace.steps)
         s["spec_accepted_tokens"] = sum(st.spec_accepted for st in trace.steps)
@@ -245,6 +249,12 @@ def _bytes(n) -> str:
     return f"{n} B"
 
 
+def _draft_kv_line(s: dict) -> str:
+    """The draft model's share of the KV budget (the simulator only sets bytes aside)."""
+    where = f"in {_fmt(s['draft_kv_blocks'])} blocks" if s.get("draft_kv_blocks") else "set aside"
+    return f"{_bytes(s['draft_kv_bytes'])} {where}, of a {_bytes(s.get('kv_budget_bytes'))} budget"
+
+
 def _goodput_row(s: dict) -> list:
     if "goodput" not in s:
         return []
@@ -293,6 +303,7 @@ def format_report(summary: dict, simulated: bool = False) -> str:
             ("cache", f"{s['kv_layout']}, {_bytes(s.get('kv_capacity_bytes'))} in {_fmt(s.get('kv_blocks'))} "
                       f"{'rows' if s['kv_layout'] == 'reserved' else 'blocks'}"
                       + _kv_dtype_note(s)),
+            *([("draft model's cache", _draft_kv_line(s))] if "draft_kv_bytes" in s else []),
             ("utilization (mean)", _fmt(s.get("kv_utilization"))),
             ("prefix-cache hits", f"{_fmt(s.get('prefix_cache_hit_tokens'))} tokens")]),
         ("speculative decoding", [

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from contextlib import contextmanager
 
 from .attention import BACKENDS
 from .kv.config import KV_LAYOUTS
@@ -484,12 +485,20 @@ def _spec_option(args) -> dict:
                                              else None)}
 
 
-def _serve(args) -> int:
+@contextmanager
+def _serve_extra(command: str):
+    """Around the imports of a command that needs the ``serve`` extra: a missing
+    package becomes an error that names it and the install that fixes it."""
     try:
-        from .server import make_app, serve
+        yield
     except ImportError as e:
-        raise ValueError(f"serve needs the serve extra ({e.name} is missing): "
+        raise ValueError(f"{command} needs the serve extra ({e.name} is missing): "
                          "pip install 'minibatch-engine[serve]'") from None
+
+
+def _serve(args) -> int:
+    with _serve_extra("serve"):
+        from .server import make_app, serve
     _check_host(args.host, args.port)
     app = make_app(args.model, served_model_name=args.served_model_name, max_waiting=args.max_waiting_requests,
                    chat_template=args.chat_template, limits=_limits(args), device=args.device, dtype=args.dtype,
@@ -507,11 +516,8 @@ def _router_key(args) -> str | None:
 
 
 def _route(args) -> int:
-    try:
+    with _serve_extra("route"):
         from .server.router_app import build_router_app, route
-    except ImportError as e:
-        raise ValueError(f"route needs the serve extra ({e.name} is missing): "
-                         "pip install 'minibatch-engine[serve]'") from None
     _check_host(args.host, args.port)
     app = build_router_app(args.backend, policy=args.policy, max_imbalance=args.max_imbalance,
                            model=args.model, block_size=args.block_size, poll_interval=args.poll_interval,

@@ -40,6 +40,7 @@ from .scheduler.policy import make_policy
 from .scheduler.preemption import Preemptor
 from .sim import CostModel, get_gpu
 from .speculative import DraftModelProposer, NgramProposer, SimProposer
+from .structured_output import StructuredOutputManager
 from .trace import LaneRecord, StepRecord, Trace
 
 
@@ -50,11 +51,12 @@ class Engine:
     ``config`` (or of the default :class:`EngineConfig`); unknown names are
     refused. ``model=None`` runs the simulator alone (``sim_gpu`` and
     ``sim_model`` required): no weights, no tensors, only the schedule and the
-    modelled clock.
+    modelled clock. ``tokenizer``: the vocabulary structured output compiles
+    its grammars against (requests are token ids either way).
     """
 
     def __init__(self, model=None, config: EngineConfig | None = None, eos_token_id: int | None = None,
-                 **overrides):
+                 tokenizer=None, **overrides):
         if config is not None and not isinstance(config, EngineConfig):
             raise TypeError(f"config must be an EngineConfig, got {type(config).__name__} "
                             "(pass options as keywords: Engine(model, max_num_seqs=8), or "
@@ -69,6 +71,7 @@ class Engine:
         self.config = cfg = cfg.resolve(self.model_config)
         self.max_model_len = cfg.max_model_len
         self.eos_token_id = eos_token_id if eos_token_id is not None else self.model_config.eos_token_id
+        self.tokenizer = tokenizer
         if cfg.tensor_parallel_size > 1 and (model is not None or not cfg.sim_gpu):
             raise ValueError("tensor parallelism is simulated only: tensor_parallel_size > 1 needs the simulator "
                              "alone (no model, sim_gpu and sim_model)")
@@ -163,6 +166,7 @@ class Engine:
         budget = cfg.kv_budget_bytes if explicit else self._kv_budget(per_token + draft_per_token, extra, device)
         # the target's share: its tokens and as many draft tokens, after the draft's extra room
         total, budget = budget, max(0, budget - extra) * per_token // (per_token + draft_per_token)
+        self.kv_budget_bytes, self._draft_kv_share = total, total - budget if draft_per_token else 0
         share = (f" ({total} bytes less the draft model's share, {total - budget})" if draft_per_token else "")
         if cfg.kv_layout == "reserved":
             rows = min(cfg.max_num_seqs, budget // (per_token * cfg.max_model_len))
@@ -178,6 +182,16 @@ class Engine:
         return PagedKVCache(mc, blocks, cfg.block_size, dtype,
                             enable_prefix_caching=cfg.enable_prefix_caching, watermark=cfg.watermark,
                             kv_cache_dtype=cfg.kv_cache_dtype)
+
+    def kv_split(self) -> dict[str, int]:
+        """How the KV memory budget is shared: the target's cache and the draft
+        model's (speculative decoding; 0 without a draft), in bytes and blocks.
+        The simulator has no draft cache: its share is the bytes set aside."""
+        draft = getattr(getattr(self.runner, "proposer", None), "kv_cache", None)
+        return {"kv_budget_bytes": self.kv_budget_bytes, "target_kv_bytes": self.kv_cache.capacity_bytes,
+                "target_kv_blocks": self.kv_cache.num_blocks,
+                "draft_kv_bytes": draft.capacity_bytes if draft is not None else self._draft_kv_share,
+                "draft_kv_blocks": draft.num_blocks if draft is not None else 0}
 
     def _check_sampling(self, rid: str, ids: list[int], params: SamplingParams) -> list[int]:
         """What only the engine can check in sampling parameters (the vocabulary,
@@ -200,6 +214,11 @@ class Engine:
                              "pass them through LLM or AsyncLLM, or set bad_words_token_ids")
         if any(t >= vocab for w in params.bad_words_token_ids for t in w):
             raise ValueError(f"request {rid}: bad_words_token_ids hold ids outside [0, {vocab})")
+        if params.structured_outputs is not None:
+            try:
+                self.check_grammar(params)
+            except ValueError as e:
+                raise ValueError(f"request {rid}: {e}") from None
         k = params.truncate_prompt_tokens
         if k is not None:
             keep = self.max_model_len - params.max_tokens if k == -1 else k
@@ -208,6 +227,26 @@ class Engine:
                                  f"({params.max_tokens}) fills max_model_len ({self.max_model_len})")
             ids = ids[-keep:]
         return ids
+
+    def check_grammar(self, params: SamplingParams) -> None:
+        """Compile ``params.structured_outputs`` (kept in the cache for the
+        request that follows); a ``ValueError`` naming the field when it cannot
+        be enforced. The scheduler gets its manager on the first such request."""
+        if self.model is None:
+            raise ValueError("structured_outputs needs a model's logits, and the simulator computes none")
+        if self.tokenizer is None:
+            raise ValueError("structured_outputs needs the model's tokenizer (the grammar is over its "
+                             "vocabulary): pass tokenizer= to the Engine, or use LLM or AsyncLLM")
+        if self.eos_token_id is None:
+            raise ValueError("structured_outputs needs an EOS token to end the output, and this model has none")
+        so = self.scheduler.structured_output
+        if so is None:
+            try:
+                so = StructuredOutputManager(self.tokenizer, self.model_config.vocab_size, self.eos_token_id)
+            except ImportError as e:            # xgrammar is an optional dependency
+                raise ValueError(str(e)) from None
+            self.scheduler.structured_output = so
+        so.compile(params.structured_outputs)
 
     def _make_model_runner(self, model, proposer) -> ModelRunner:
         """The runner, with the tensors the scheduler's bookkeeping stands for: the

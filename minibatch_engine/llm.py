@@ -117,7 +117,7 @@ class LLM:
         if arrival_times is not None:
             arrival_times = [check_arrival_time(t, f"arrival_times[{i}]") for i, t in enumerate(arrival_times)]
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
-        engine = self.engine = Engine(self.model, self.config, eos_token_id=eos)
+        engine = self.engine = Engine(self.model, self.config, eos_token_id=eos, tokenizer=self.tokenizer)
         reqs = []
         for i, (prompt, params) in enumerate(zip(prompts, sampling_params)):
             ids, text = self._encode(prompt, i)

@@ -3,7 +3,8 @@
 :class:`SchedulerOutput` is the scheduler's decision, :class:`RunnerOutput` the
 runner's answer. Both hold only ints, strings, lists, tuples and small
 dataclasses of those (a :class:`~minibatch_engine.sampling.SamplingParams` is
-one): no ``Request``, no tensor, no KV manager. Each scheduled request carries
+one; the step's grammar bitmask is a numpy array): no ``Request``, no tensor,
+no KV manager. Each scheduled request carries
 what the runner needs to compute it (its token ids, positions, block table,
 sampling parameters), so the runner never reads a request, and a
 ``SchedulerOutput`` survives a ``pickle`` round trip unchanged, as it would
@@ -15,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .sampling import SamplingParams
+from .structured_output import GrammarBitmask
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,9 +38,9 @@ class ScheduledRequest:
     K/V of the new tokens go there). ``prefix_token_ids``: on the step that
     admits the request from the waiting queue (or swaps it back in), its
     tokens before ``start`` (those found in the prefix cache, or those whose
-    K/V came back from host memory; empty from position 0), so a runner that
-    keeps its own copy of each request's tokens (for speculative decoding's
-    proposer) starts it whole; None on the steps after (vLLM V1's
+    K/V came back from host memory; empty from position 0), so the runner's
+    persistent batch (:mod:`~minibatch_engine.runner.input_batch`) starts it
+    whole; None on the steps after (vLLM V1's
     ``NewRequestData`` and ``CachedRequestData``). Built by the scheduler
     (:meth:`of`), read-only afterwards.
     """
@@ -130,6 +132,8 @@ class SchedulerOutput:
     finished_request_ids: list[str] = field(default_factory=list)
     # KV blocks the runner copies before the forward, in the order the scheduler decided them
     block_copies: list[BlockCopy] = field(default_factory=list)
+    # structured output: the token masks of the sequences that sample under a grammar
+    grammar: GrammarBitmask | None = None
 
     @property
     def is_empty(self) -> bool:

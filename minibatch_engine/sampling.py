@@ -17,6 +17,8 @@ from typing import Any, Sequence
 
 import torch
 
+from .structured_output import StructuredOutputsParams
+
 
 GREEDY_EPS = 1e-5
 PREFIX = 64                   # top-p looks for its nucleus among this many tokens first
@@ -48,6 +50,11 @@ class SamplingParams:
     each sampled token's log-probability and the N most likely tokens',
     ``prompt_logprobs=N`` the same for every prompt token; both from the raw
     model distribution (vLLM V1's default ``logprobs_mode``).
+    ``structured_outputs``: a grammar the output must follow (JSON schema,
+    regex, choice, EBNF, any JSON object; a
+    :class:`~minibatch_engine.structured_output.StructuredOutputsParams` or a
+    dict of its fields), enforced by a token mask at every step
+    (:mod:`minibatch_engine.structured_output`).
     """
 
     max_tokens: int = 16
@@ -71,6 +78,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    structured_outputs: Any = None
 
     def __post_init__(self):
         def integer(name, low, high=None):
@@ -112,6 +120,7 @@ class SamplingParams:
         object.__setattr__(self, "stop", tuple(stop))
         from .logits_process import check_params
         check_params(self)
+        object.__setattr__(self, "structured_outputs", StructuredOutputsParams.of(self.structured_outputs))
 
     def max_proposals(self, num_output_tokens: int) -> int:
         """Proposed tokens worth verifying after ``num_output_tokens`` outputs

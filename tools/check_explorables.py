@@ -30,7 +30,8 @@ import math
 import sys
 from pathlib import Path
 
-PHONE = {"width": 390, "height": 844}
+from headless import CHROMIUM_ARGS, PHONE, VIEWPORT, offline
+
 REL_TOL = 1e-5   # the expected figures are stored to 6 significant digits
 
 # Inside the page: every explorable's state, controls and outputs.
@@ -193,8 +194,6 @@ async def _views(page, roots, shots: Path | None) -> list[str]:
 
 async def _main(pages: list[Path], shots: Path | None, chromium: str) -> int:
     from playwright.async_api import async_playwright
-    sys.path.insert(0, str(Path(__file__).parent))
-    from check_site import CHROMIUM_ARGS, VIEWPORT
     failed = 0
     async with async_playwright() as p:
         browser = await p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS, headless=True)
@@ -203,8 +202,7 @@ async def _main(pages: list[Path], shots: Path | None, chromium: str) -> int:
             page = await ctx.new_page()
             errors = []
             page.on("pageerror", lambda e: errors.append(f"uncaught JS exception: {e}"))
-            await page.route("**/*", lambda r: r.continue_() if r.request.url.startswith(("file:", "data:"))
-                             else r.abort())
+            await page.route("**/*", offline)
             await page.goto(path.resolve().as_uri(), wait_until="load")
             n, problems = await check_explorables(page, shots)
             problems += errors

@@ -29,9 +29,9 @@ import time
 import urllib.request
 from pathlib import Path
 
+from headless import CHROMIUM_ARGS, VIEWPORT
+
 ROOT = Path(__file__).resolve().parents[1]
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                 "--disable-component-update", "--disable-sync", "--no-first-run"]
 RAW = ["{glue", "{term}", "{cite}", "{ref}", "{dropdown}"]
 
 
@@ -107,7 +107,7 @@ def check(nb: Path, chromium: str, wait_kernel_s: float = 8.0) -> list[str]:
         try:
             with sync_playwright() as p:
                 browser = p.chromium.launch(executable_path=chromium, args=CHROMIUM_ARGS)
-                page = browser.new_page(viewport={"width": 1280, "height": 900})
+                page = browser.new_page(viewport=VIEWPORT)
                 page.route("**/*", lambda r: r.continue_() if r.request.url.startswith(
                     (f"http://127.0.0.1:{port}", "data:", "blob:")) else r.abort())
                 page.goto(f"http://127.0.0.1:{port}/lab/tree/{nb.name}?token={token}",

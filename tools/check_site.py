@@ -15,7 +15,8 @@ renders here renders with no network.  A page fails when:
 * an image does not load (naturalWidth == 0) or a local file request fails;
 * an internal link points to a missing file or a missing anchor id;
 * a widget view (``application/vnd.jupyter.widget-view+json``) or a
-  ``.jupyter-widgets`` element is still empty after the widget manager ran;
+  ``.jupyter-widgets`` element is still empty after the widget manager ran,
+  or the page loads the widget manager (``embed-amd.js``) and shows no widget;
 * the page logs a JavaScript error (console error or uncaught exception), or
   tries to reach the network at all;
 * code is clipped at a 1280 px window: a code cell's source or output, or a
@@ -48,22 +49,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from check_explorables import check_explorables, summary  # the explorables' controls and numbers
+from headless import CHROMIUM_ARGS, LOCAL, PHONE, VIEWPORT, offline
 
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--no-first-run",
-]
-VIEWPORT = {"width": 1280, "height": 900}
 SCREENSHOT_MAX_HEIGHT = 16000  # px (Chromium paints at most 16384); longer pages are cut
 LOAD_TIMEOUT_MS = 20_000
 SETTLE_TIMEOUT_S = 15.0  # MathJax + widget manager, per page
 CONCURRENCY = min(4, os.cpu_count() or 2)  # pages open at once
 
-PHONE = {"width": 390, "height": 844}   # an iPhone 12-15's CSS pixels
 # The pages a reader keeps at hand: checked on a phone and in print as well,
 # with the most printed pages (both sides of a sheet: 2) where one is set.
 REFERENCE_PAGES = {"book/cheat_sheet.html": 2, "book/interview_guide.html": None,
@@ -81,7 +73,7 @@ async (settleMs) => {
   const deadline = Date.now() + settleMs;
   const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
   const out = {mathjax: null, raw_math: [], untypeset: 0, merror: [],
-               images: [], widget_views: 0, widgets_empty: [], ids: [],
+               images: [], widget_views: 0, widget_problems: [], ids: [],
                links: [], timeouts: []};
 
   // --- MathJax: the real MathJax replaces the config object Sphinx sets.
@@ -100,6 +92,9 @@ async (settleMs) => {
   // --- Widgets: the manager puts a .widget-subarea before each view script.
   const views = document.querySelectorAll('script[type="application/vnd.jupyter.widget-view+json"]');
   out.widget_views = views.length;
+  if (!views.length && document.querySelector('script[src*="embed-amd.js"]')) {
+    out.widget_problems.push("loads the widget manager (embed-amd.js) but shows no widget");
+  }
   const rendered = (v) => {
     const sub = v.previousElementSibling;
     if (!(sub && sub.classList.contains("widget-subarea") && sub.querySelector("*"))) return false;
@@ -111,7 +106,7 @@ async (settleMs) => {
     if (!rendered(v)) {
       let id = "?";
       try { id = JSON.parse(v.textContent).model_id; } catch (e) {}
-      out.widgets_empty.push(`widget view #${i + 1} (model ${id}) not rendered`);
+      out.widget_problems.push(`widget view #${i + 1} (model ${id}) not rendered`);
     }
   });
   // A rendered widget's root is a non-empty .jupyter-widgets element (an
@@ -119,7 +114,7 @@ async (settleMs) => {
   for (const el of document.querySelectorAll(".jupyter-widgets")) {
     if (!el.matches(".widget-output, .jupyter-widgets-output-area") && el.childElementCount === 0
         && el.textContent.trim() === "") {
-      out.widgets_empty.push(`empty .jupyter-widgets element (${el.className})`);
+      out.widget_problems.push(`empty .jupyter-widgets element (${el.className})`);
     }
   }
 
@@ -343,7 +338,7 @@ async def check_page(browser, site: Path, page_path: Path, shots: Path | None) -
 
     async def route(r):
         url = r.request.url
-        if url.startswith(("file:", "data:", "blob:")):
+        if url.startswith(LOCAL):
             await r.continue_()
         else:
             res.problems.append(f"network request blocked: {url}")
@@ -410,7 +405,7 @@ async def check_page(browser, site: Path, page_path: Path, shots: Path | None) -
     for im in probe["images"]:
         if not im["ok"]:
             res.problems.append(f"image did not load: {im['raw']}")
-    res.problems += probe["widgets_empty"]
+    res.problems += probe["widget_problems"]
     res.links, link_problems = check_links(page_path, site, probe["links"], set(probe["ids"]))
     res.problems += link_problems
 
@@ -456,8 +451,7 @@ async def check_narrow(browser, site: Path, page_path: Path, max_pages: int | No
     problems: list[str] = []
     ctx = await browser.new_context(viewport=PHONE, device_scale_factor=1, service_workers="block")
     page = await ctx.new_page()
-    await page.route("**/*", lambda r: r.continue_() if r.request.url.startswith(("file:", "data:", "blob:"))
-                     else r.abort("blockedbyclient"))
+    await page.route("**/*", offline)
     try:
         await page.goto(page_path.as_uri(), wait_until="load", timeout=LOAD_TIMEOUT_MS)
         problems += [f"phone ({PHONE['width']} px): {m}" for m in await page.evaluate(NARROW_PROBE)]

@@ -11,6 +11,11 @@ book/site/widgets-setup.js, into ``_build/html/_static/npm/``; ``_config.yml`` p
 The copy runs at ``builder-inited`` so that the files exist when the pages are
 written, and Sphinx appends its ``?v=<checksum>`` cache-buster to them.
 
+A page loads the widget manager only when it shows a widget: myst-nb adds the
+manager and the notebook's saved widget state to every page whose notebook
+metadata holds widget state, even when no output shows a widget (a widget
+closed or cleared before the notebook was saved leaves its state behind).
+
 Nothing third-party is committed: ``node_modules/`` is git-ignored, and a
 missing install stops the build with the command that fixes it.
 """
@@ -20,6 +25,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from docutils import nodes
 from sphinx.application import Sphinx
 from sphinx.errors import ExtensionError
 from sphinx.util import logging
@@ -165,7 +171,32 @@ def tidy_page_scripts(app: Sphinx, pagename, templatename, context, doctree) -> 
     scripts[:] = keep  # in place: the builder resets this list for every page
 
 
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+WIDGET_STATE = "application/vnd.jupyter.widget-state+json"
+
+
+def shows_widget(doctree) -> bool:
+    """Whether a page's doctree holds a widget view (myst-nb renders one as a raw
+    ``<script type="application/vnd.jupyter.widget-view+json">``)."""
+    return doctree is not None and any(WIDGET_VIEW in n.astext() for n in doctree.findall(nodes.raw))
+
+
+def widgets_only_where_shown(app: Sphinx, pagename, templatename, context, doctree) -> None:
+    """Drop the widget manager's scripts (``nb_ipywidgets_js``) and the saved
+    widget state from a page that shows no widget (the module doc)."""
+    scripts = context.get("script_files")
+    if not isinstance(scripts, list) or shows_widget(doctree):
+        return
+    manager = {str(path) for path in getattr(app.config, "nb_ipywidgets_js", None) or {}}
+
+    def widget_script(js) -> bool:
+        filename = str(getattr(js, "filename", "") or "").split("?", 1)[0].removeprefix("_static/")
+        return filename in manager or (getattr(js, "attributes", {}) or {}).get("type") == WIDGET_STATE
+    scripts[:] = [js for js in scripts if not widget_script(js)]  # in place, as tidy_page_scripts
+
+
 def setup(app: Sphinx) -> dict:
     app.connect("builder-inited", copy_vendor_assets)
     app.connect("html-page-context", tidy_page_scripts, priority=900)
+    app.connect("html-page-context", widgets_only_where_shown, priority=900)
     return {"parallel_read_safe": True, "parallel_write_safe": True, "version": "1"}

@@ -65,6 +65,11 @@ class ByteTokenizer:
     def vocab_size(self) -> int:
         return TINY.vocab_size
 
+    def token_bytes(self) -> list[bytes]:
+        """The bytes each id stands for: one byte for ids 0..255, none for the
+        special ids (what a grammar engine needs to know of the vocabulary)."""
+        return [bytes([b]) for b in range(BYTE_VOCAB)] + [b""] * (self.vocab_size - BYTE_VOCAB)
+
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         """Token ids of ``text``: its UTF-8 bytes, optionally preceded by BOS."""
         if self._split is None:
@@ -187,6 +192,11 @@ class HFTokenizer:
     @property
     def pad_token_id(self) -> int | None:
         return self._pad
+
+    @property
+    def backend(self):
+        """The ``tokenizers.Tokenizer`` underneath (a grammar engine reads its vocabulary)."""
+        return self._tok
 
     @property
     def vocab_size(self) -> int:

@@ -15,14 +15,20 @@ The runner owns the sampling state: one ``torch.Generator`` per seeded request,
 keyed by request id and dropped when the scheduler reports the request
 finished, so a seeded request draws the same tokens whatever it is batched
 with. It never sees a request: the SchedulerOutput carries the token ids,
-positions, block tables and sampling parameters it needs.
+positions, block tables and sampling parameters it needs, and for structured
+output the step's grammar bitmask, which sets the forbidden tokens' logits to
+``-inf`` before sampling (the log-probabilities stay the raw model's).
 
-With speculative decoding (chapter 9) the runner also holds the proposer
-(and a draft model's KV): it keeps its own copy of each running request's
-tokens (started from the ``prefix_token_ids`` sent when the request is
-admitted, then the scheduled and sampled tokens), and after sampling asks the
-proposer for the next step's guesses, which go back in the ``RunnerOutput``
-(vLLM V1's shape: the drafter runs in the worker, after sampling).
+The runner keeps a persistent batch (:mod:`.input_batch`, vLLM V1's
+``InputBatch``): its own record of each running request's tokens,
+``num_computed_tokens``, block-table row and sampling parameters. Each
+``SchedulerOutput`` updates the record (admitted requests enter, ended and
+preempted ones leave, running ones take their new tokens and blocks), and the
+step's inputs are built from it. With speculative decoding (chapter 9) the
+runner also holds the proposer, with a draft model's KV cache. After sampling
+it hands the proposer each request's tokens from the record, and the guesses
+go back in the ``RunnerOutput`` (vLLM V1's shape: the drafter runs in the
+worker, after sampling).
 
 On CUDA with the ``"triton"`` backend, decode-only steps replay a CUDA graph
 (:mod:`.cuda_graphs`) instead of launching every kernel from Python; the
@@ -46,8 +52,10 @@ from ..sampling import sample, sampling_probs
 from ..outputs import RunnerOutput, SchedulerOutput
 from ..speculative.proposer import Proposer
 from ..speculative.verify import rejection_sample, verify_greedy
+from ..structured_output import apply_bitmask
 from ..kv.pool import carry_out
 from .base import Runner
+from .input_batch import InputBatch
 from ..cpu_threads import set_cpu_threads
 from .prepack import prepack_linear_weights
 
@@ -59,7 +67,7 @@ class ModelRunner(Runner):
                  cpu_threads: int | str = "auto"):
         self.model, self.kv_pool, self.host_pool = model, kv_pool, host_pool
         self.proposer = proposer
-        self.token_ids: dict[str, list[int]] = {}    # request id -> its tokens (kept for the proposer only)
+        self.input_batch = InputBatch()                # the persistent batch: each running request's record
         self.device = model.device
         self.attention = get_attention_backend(attention_backend, self.device)
         self.pad_token_id = PAD_ID if pad_token_id is None else pad_token_id
@@ -96,9 +104,12 @@ class ModelRunner(Runner):
     def prepare_inputs(self, sched: SchedulerOutput):
         """(input_ids, positions, attention metadata) of the step, on the device.
 
-        The metadata's ``logits_indices`` select one row per sequence (its last
-        token), and for a request verifying k proposed tokens the k + 1 rows of
-        its last known token and its proposals, in the scheduled order."""
+        Each scheduled request's tokens, positions and block table come from
+        the persistent batch (updated from ``sched`` first), its proposals from
+        ``sched``. The metadata's ``logits_indices`` select one row per sequence
+        (its last token), and for a request verifying k proposed tokens the
+        k + 1 rows of its last known token and its proposals, in the scheduled
+        order."""
         ids: list[int] = []
         positions: list[int] = []
         query_lens, seq_lens, tables = [], [], []
@@ -106,19 +117,21 @@ class ModelRunner(Runner):
         counts = self.rows_per_seq(sched)
         spec = any(c > 1 for c in counts)        # some sequence needs more than its last row
         for s, c in zip(sched.scheduled, counts):
-            n, start = s.num_tokens, s.start
+            state = self.input_batch[s.request_id]
+            n, start = s.num_tokens, state.num_computed_tokens
             if spec:
                 end = len(ids) + n
                 logits_rows += range(end - c, end)
             if n == 1:                               # a decode: its one known token
-                ids.append(s.token_ids[0])
+                ids.append(state.token_ids[start])
                 positions.append(start)
             else:
-                ids += s.token_ids
+                ids += state.token_ids[start:start + n - s.num_spec_tokens]
+                ids += s.spec_token_ids
                 positions += range(start, start + n)
             query_lens.append(n)
             seq_lens.append(start + n)
-            tables.append(s.block_table)
+            tables.append(state.block_table)
         null, block_size = self.kv_pool.null_block, self.kv_pool.block_size
         for p in sched.padding:
             logits_rows.append(len(ids) + p.num_tokens - 1)
@@ -149,10 +162,10 @@ class ModelRunner(Runner):
 
     @torch.no_grad()
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        self.input_batch.update(sched)             # the persistent batch follows the schedule
         for rid in sched.finished_request_ids:
             self.generators.pop(rid, None)
             self.pending_prompt_rows.pop(rid, None)
-            self.token_ids.pop(rid, None)
             if self.proposer is not None:
                 self.proposer.free(rid)
         for p in sched.preempted:
@@ -165,14 +178,11 @@ class ModelRunner(Runner):
             carry_out(sched.block_copies, self.kv_pool, self.host_pool)
         if sched.is_empty:
             return out
-        for s in sched.scheduled:                   # the tokens the proposer or the penalties read
-            if self.proposer is not None or needs_history(s.sampling_params):
-                self._track_tokens(s)
         t0 = time.perf_counter()
         if self.graphs is not None and self.graphs.can_run(sched):
-            s_all = sched.scheduled
-            logits = self.graphs.run([s.token_ids[0] for s in s_all], [s.start + 1 for s in s_all],
-                                     [s.block_table for s in s_all])
+            rows = [self.input_batch[s.request_id] for s in sched.scheduled]
+            logits = self.graphs.run([r.token_ids[r.num_computed_tokens] for r in rows],
+                                     [r.num_computed_tokens + 1 for r in rows], [r.block_table for r in rows])
         else:
             input_ids, positions, meta = self.prepare_inputs(sched)
             out.prepare_s = time.perf_counter() - t0
@@ -218,6 +228,10 @@ class ModelRunner(Runner):
             if any(needs_processing(p) for p in params):
                 picked = apply_logits_processors(raw, params, self._histories(sched, seqs),
                                                  self._num_prompt(sched, seqs), self.eos_token_id)
+            if sched.grammar is not None:               # structured output: -inf where the grammar says no
+                which = sched.grammar.rows              # sequence id -> its row of the bitmask
+                masked = [i for i, (rid, _) in enumerate(seqs) if rid in which]
+                picked = apply_bitmask(picked, sched.grammar.bitmask, masked, [which[seqs[i][0]] for i in masked])
             tokens = sample(picked, params, gens, errors).tolist()
             for i, ((rid, _), t) in enumerate(zip(seqs, tokens)):
                 if i in errors:
@@ -229,8 +243,7 @@ class ModelRunner(Runner):
                 entries = token_logprobs(raw[want], [tokens[i] for i in want], [params[i].logprobs for i in want])
                 for i, e in zip(want, entries):
                     out.logprobs[seqs[i][0]] = [e]
-            if self.proposer is None:                   # forks inherit the tracked tokens of their parent
-                self._track_forks(sched, out)
+        self._record_sampled(sched, out)
         t2 = time.perf_counter()
         out.forward_s, out.sample_s = t1 - t0, t2 - t1
         if self.proposer is not None:
@@ -242,7 +255,8 @@ class ModelRunner(Runner):
         """Each sampled sequence's tokens so far (None where its processors need
         none); a fork sampling for the first time has its parent's."""
         parent = {f.request_id: s.request_id for s in sched.scheduled for f in s.forks}
-        return [self.token_ids.get(parent.get(rid, rid)) if needs_history(p) else None for rid, p in seqs]
+        batch = self.input_batch
+        return [batch.token_ids(parent.get(rid, rid)) if needs_history(p) else None for rid, p in seqs]
 
     @staticmethod
     def _num_prompt(sched: SchedulerOutput, seqs) -> list[int]:
@@ -250,13 +264,18 @@ class ModelRunner(Runner):
         n.update({f.request_id: s.num_prompt_tokens for s in sched.scheduled for f in s.forks})
         return [n[rid] for rid, _ in seqs]
 
-    def _track_forks(self, sched: SchedulerOutput, out: RunnerOutput) -> None:
-        """A forked sample starts from its parent's tokens plus its own first one."""
+    def _record_sampled(self, sched: SchedulerOutput, out: RunnerOutput) -> None:
+        """Add the step's sampled tokens to the persistent batch; a forked sample
+        enters it as its parent's tokens plus its own first one."""
+        sampled, batch = out.sampled_token_ids, self.input_batch
         for s in sched.scheduled:
-            if s.forks and s.request_id in self.token_ids:
-                for f in s.forks:
-                    if f.request_id in out.sampled_token_ids:
-                        self.token_ids[f.request_id] = self.token_ids[s.request_id] + out.sampled_token_ids[f.request_id]
+            if not s.samples_token:
+                continue
+            for f in s.forks:
+                if f.request_id in sampled:
+                    batch.fork(s.request_id, f.request_id, f.sampling_params, sampled[f.request_id])
+            if s.request_id in sampled:
+                batch.append_sampled(s.request_id, sampled[s.request_id])
 
     def _prompt_logprobs(self, s, logits: torch.Tensor, out: RunnerOutput) -> None:
         """Prompt log-probabilities this chunk settles (:mod:`minibatch_engine.logprobs`):
@@ -282,39 +301,18 @@ class ModelRunner(Runner):
             out.prompt_logprobs[s.request_id] = (first, token_logprobs(torch.cat(rows), targets,
                                                                        [n] * len(targets), normalised=True))
 
-    def _track_tokens(self, s) -> None:
-        """Keep the runner's copy of a request's tokens: all before ``start``,
-        then the known tokens this step computes (not the proposals)."""
-        known = s.token_ids[:s.num_tokens - s.num_spec_tokens] if s.spec_token_ids else s.token_ids
-        if s.prefix_token_ids is not None:
-            self.token_ids[s.request_id] = s.prefix_token_ids + known
-            return
-        tokens = self.token_ids[s.request_id]
-        del tokens[s.start:]
-        tokens += known
-
     def _propose(self, sched: SchedulerOutput, out: RunnerOutput) -> None:
         """After sampling: the proposer's guesses for every sequence that sampled
-        (a forked sample starts from its parent's tokens)."""
-        sampled, history = out.sampled_token_ids, self.token_ids
-        seqs = []
-
-        def add(rid, tokens, num_prompt, params):
-            seqs.append(self.proposer.input_for(rid, len(tokens), num_prompt, params, tokens))
-
+        (forks included), from its tokens in the persistent batch."""
+        sampled, batch, seqs = out.sampled_token_ids, self.input_batch, []
         for s in sched.scheduled:
             if not s.samples_token:
                 continue
-            parent = history[s.request_id]
-            for f in s.forks:
-                if f.request_id in sampled:
-                    history[f.request_id] = parent + sampled[f.request_id]
-                    if speculable(f.sampling_params):
-                        add(f.request_id, history[f.request_id], s.num_prompt_tokens, f.sampling_params)
-            if s.request_id in sampled:
-                parent += sampled[s.request_id]
-                if speculable(s.sampling_params):
-                    add(s.request_id, parent, s.num_prompt_tokens, s.sampling_params)
+            for rid in [f.request_id for f in s.forks] + [s.request_id]:
+                state = batch.get(rid) if rid in sampled else None
+                if state is not None and speculable(state.sampling_params):
+                    seqs.append(self.proposer.input_for(rid, len(state.token_ids), state.num_prompt_tokens,
+                                                        state.sampling_params, state.token_ids))
         out.spec_token_ids = self.proposer.propose(seqs)
         out.draft_shapes = self.proposer.last_draft_shapes
 
@@ -328,8 +326,10 @@ class ModelRunner(Runner):
 
 
 def speculable(params) -> bool:
-    """Requests whose logits are processed or whose log-probabilities are asked
-    for are not speculated: they decode one token per step, sampled as without
-    speculation (verification samples from temperature, top-k and top-p only)."""
-    return params.logprobs is None and not needs_processing(params)
+    """Requests whose logits are processed, whose log-probabilities are asked
+    for, or whose output follows a grammar (structured output) are not
+    speculated: they decode one token per step, sampled as without speculation
+    (verification samples from temperature, top-k and top-p only, and
+    proposals are not checked against a grammar)."""
+    return params.logprobs is None and not needs_processing(params) and params.structured_outputs is None
 

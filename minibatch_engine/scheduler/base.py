@@ -9,7 +9,9 @@ Every step the engine calls, in this order:
    speculative decoding, its proposer's guesses for the next step);
 3. :meth:`Scheduler.update_from_output`: the scheduler advances
    ``num_computed_tokens``, tells the KV manager which tokens now have K/V,
-   appends the sampled tokens, forks parallel samples, finishes requests
+   appends the sampled tokens (a constrained sequence's grammar matcher
+   accepts each, :mod:`~minibatch_engine.structured_output`), forks parallel
+   samples, finishes requests
    (freeing their memory) and stores the guesses on those that go on. vLLM's ``update_from_output`` and nano-vllm's
    ``postprocess`` do the same job.
 
@@ -57,11 +59,20 @@ class Scheduler(ABC):
         self.now: float | None = None               # the engine's clock at this step
         self._finished_ids: list[str] = []
         self._failed: list[Request] = []            # ended with an error outside update_from_output
+        # structured output: compiled grammars and one matcher per sequence
+        # (a StructuredOutputManager, set by the engine when a request first needs one)
+        self.structured_output = None
 
     # --- requests in ------------------------------------------------------------
     def add_request(self, request: Request) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
+        grammar = request.sampling_params.structured_outputs
+        if grammar is not None:
+            if self.structured_output is None:
+                raise ValueError(f"request {request.request_id}: structured_outputs needs the scheduler's "
+                                 "StructuredOutputManager (Engine.add_request sets one up)")
+            self.structured_output.add_request(request.request_id, grammar)
         self.requests[request.request_id] = request
         request.status = RequestStatus.WAITING
         request.arrival_step = self.num_steps
@@ -88,7 +99,20 @@ class Scheduler(ABC):
                 s.forks = [Fork(sample_id(r.request_id, k), sample_params(r.sampling_params, k))
                            for k in range(1, r.sampling_params.n)]
             s.block_table = list(block_table(s.request_id))
+        if self.structured_output is not None and self.structured_output.matchers:
+            out.grammar = self._grammar_bitmask(out)
         return out
+
+    def _grammar_bitmask(self, out: SchedulerOutput):
+        """The token masks of the sequences this step samples under a grammar
+        (a sample forked this step samples from its parent's state); None when
+        there are none."""
+        so, rows = self.structured_output, []
+        for s in out.scheduled:
+            if s.samples_token and s.request_id in so:
+                rows.append((s.request_id, s.request_id))
+                rows += [(f.request_id, s.request_id) for f in s.forks]
+        return so.grammar_bitmask(rows) if rows else None
 
     def update_from_output(self, sched: SchedulerOutput, out: RunnerOutput) -> list[Request]:
         """Advance every scheduled request by what the step computed and sampled;
@@ -131,7 +155,10 @@ class Scheduler(ABC):
             if out.logprobs and seq.request_id in out.logprobs:
                 seq.logprobs.extend(out.logprobs[seq.request_id])
             for token in sampled[seq.request_id]:
-                seq.append_token(token, step)
+                refused = self._append(seq, token, step)
+                if refused:
+                    finished += self._fail([seq], {seq.request_id: refused}, step)
+                    break
                 if seq.is_finished:
                     finished.append(seq)
                     self._end(seq)
@@ -142,6 +169,22 @@ class Scheduler(ABC):
                     seq.spec_token_ids = [int(t) for t in spec[:seq.max_proposals]]
                 elif seq.spec_token_ids:
                     seq.spec_token_ids = []
+
+    def _append(self, seq: Request, token: int, step: int) -> str | None:
+        """Append a sampled token. Under a grammar its matcher accepts the token
+        first (one it refuses is not appended: the message is returned), and a
+        grammar that has ended finishes the sequence (``stop``), EOS or not."""
+        so = self.structured_output
+        if so is None or seq.request_id not in so:
+            seq.append_token(token, step)
+            return None
+        if not so.accept(seq.request_id, token):
+            return (f"token {token} is not allowed by its structured_outputs grammar at this point "
+                    "(min_tokens, bad_words or logit_bias may have ruled out every token it allows)")
+        seq.append_token(token, step)
+        if not seq.is_finished and so.is_terminated(seq.request_id):
+            seq.finish(step, FinishReason.STOP)
+        return None
 
     def _fail(self, seqs: list[Request], errors: dict[str, str], step: int) -> list[Request]:
         """End the sequences whose step failed in the runner (finish reason
@@ -245,12 +288,16 @@ class Scheduler(ABC):
         self.requests[child.request_id] = child
         parent.child_ids.append(child.request_id)
         self.kv_cache.fork(parent.request_id, child.request_id)
+        if self.structured_output is not None and parent.request_id in self.structured_output:
+            self.structured_output.fork(parent.request_id, child.request_id)
         child.status = RequestStatus.RUNNING
         self._add_running(child)
         return child
 
     def _end(self, request: Request) -> None:
         self._finished_ids.append(request.request_id)
+        if self.structured_output is not None:
+            self.structured_output.free(request.request_id)
         self._release(request)
 
     # --- what subclasses implement ----------------------------------------------

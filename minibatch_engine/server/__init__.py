@@ -7,6 +7,8 @@ of an :class:`~minibatch_engine.async_llm.AsyncLLM`.
 * :mod:`.app`: the routes (aiohttp);
 * :mod:`.tokenize_routes`: ``/tokenize``, ``/detokenize``, ``/tokenizer_info``;
 * :mod:`.access`: the API key on ``/v1/*`` and CORS;
+* :mod:`.errors`: failures answered in OpenAI's error shape (``serve`` and
+  ``route`` both);
 * :mod:`.launch`: the foreground server (signals) and :class:`ServerThread`.
 * :mod:`.limits`: header and body deadlines and a bound on open connections
   (``serve`` and ``route`` both).

@@ -40,6 +40,7 @@ from ..inputs import encode_text
 from . import tokenize_routes
 from .access import CorsPolicy, add_cors_headers, api_key_middleware, cors_middleware
 from .chat_template import byte_level_chat
+from .errors import error_middleware
 from .limits import ConnectionLimits, read_body
 from .metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
 from ..logits_process import with_bad_words
@@ -69,7 +70,7 @@ def build_app(llm: AsyncLLM, model_name: str, max_waiting: int = 1024, chat_temp
     llm.stat_loggers.append(metrics)
     guards = ([cors_middleware(cors)] if cors is not None else []) + \
         ([api_key_middleware(api_keys)] if api_keys else [])
-    app = web.Application(middlewares=[*guards, _errors])
+    app = web.Application(middlewares=[*guards, error_middleware(refused=(ValueError, TypeError))])
     if cors is not None:
         app.on_response_prepare.append(add_cors_headers(cors))
     app[LLM_KEY] = llm
@@ -83,27 +84,6 @@ def build_app(llm: AsyncLLM, model_name: str, max_waiting: int = 1024, chat_temp
     app.on_shutdown.append(_drain)
     app.on_cleanup.append(_shutdown)
     return app
-
-
-@web.middleware
-async def _errors(request, handler):
-    try:
-        return await handler(request)
-    except APIError as e:
-        return error_response(e)
-    except ConnectionResetError:                # the client left while its body was read: nothing to answer
-        return web.Response(status=499, reason="Client Closed Request")
-    except (ValueError, TypeError) as e:            # the engine refused what the checks let through
-        return web.json_response(APIError(str(e)).body(), status=400)
-
-
-def error_response(e: APIError) -> web.Response:
-    """``e`` in OpenAI's shape; 503 adds ``Retry-After``; 408 (a body that never
-    came whole) closes the connection."""
-    resp = web.json_response(e.body(), status=e.status, headers={"Retry-After": "1"} if e.status == 503 else None)
-    if e.status == 408:
-        resp.force_close()
-    return resp
 
 
 async def _drain(app: web.Application) -> None:
@@ -214,6 +194,13 @@ async def _generate(request, chat: bool):
         req.params = with_bad_words(req.params, llm.tokenizer, "bad_words")
     except ValueError as e:
         raise APIError(str(e), "bad_words") from None
+    if req.params.structured_outputs is not None:   # compiled now (and cached): a bad grammar is a 400 by name
+        try:
+            llm.engine.check_grammar(req.params)
+        except ValueError as e:
+            field = req.structured_field
+            raise APIError(str(e) if field == "structured_outputs" else f"{e} (asked for by '{field}')",
+                           field) from None
     prompts = _encode(llm, req, st["chat_template"])
     if llm._error is not None:
         raise APIError("the engine loop has failed", status=503)
@@ -332,15 +319,17 @@ async def _whole(req, rid, prompts, jobs, st, llm, admission):
     texts, counts, reasons, ids, entries, prompt_entries = {}, {}, {}, {}, {}, {}
     async with aclosing(_merged(llm, rid, jobs, req.priority, admission)) as outs:
         async for i, out in outs:
+            if out.prompt_logprobs is not None:
+                prompt_entries[i] = out.prompt_logprobs
+            if out.finished:
+                reasons[i] = "length" if req.echo_only and out.finish_reason == "stop" else out.finish_reason
+            if req.echo_only:                   # the one token computed is not part of the reply
+                continue
             texts[i] = texts.get(i, "") + (out.text or "")
             counts[i] = counts.get(i, 0) + (out.token_id is not None)
             if out.token_id is not None:
                 ids.setdefault(i, []).append(out.token_id)
                 entries.setdefault(i, []).append(out.logprobs)
-            if out.prompt_logprobs is not None:
-                prompt_entries[i] = out.prompt_logprobs
-            if out.finished:
-                reasons[i] = out.finish_reason
     decode = _decoder(llm)
     choices = []
     for i in range(len(jobs)):
@@ -382,6 +371,9 @@ async def _stream(request, req, rid, prompts, jobs, st, admission):
         try:
             async with aclosing(_merged(request.app[LLM_KEY], rid, jobs, req.priority, admission)) as outs:
                 async for i, out in outs:
+                    if req.echo_only:                    # max_tokens 0: the one token computed is not sent
+                        out = dataclasses.replace(out, token_id=None, text="", logprobs=None, finish_reason=(
+                            "length" if out.finish_reason == "stop" else out.finish_reason))
                     tokens += out.token_id is not None
                     if req.echo and i not in offsets:        # the prompt first, as vLLM streams an echo
                         text = _prompt_text(req, prompts, i, decode)

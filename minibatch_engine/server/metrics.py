@@ -22,6 +22,10 @@ dashboard mixing both engines would believe.
   KV cache's configuration: ``block_size``, ``cache_dtype`` (``kv_cache_dtype``),
   ``num_gpu_blocks`` (the pool's blocks, on whatever device), ``kv_bytes_per_token``
   and ``kv_layout``; a quantized cache shows its larger block count here;
+* ``kv_cache_capacity_bytes`` and ``kv_cache_blocks``, labelled ``kv_cache``
+  (``target``, and ``draft`` for speculative decoding's draft model), beside
+  ``kv_budget_bytes``: the split of one KV memory budget between the two
+  caches (this engine's own, set once at start; vLLM has none);
 * histograms, one observation per request or per token (seconds, vLLM's
   buckets): ``time_to_first_token_seconds``, ``inter_token_latency_seconds``,
   ``e2e_request_latency_seconds``, ``request_queue_time_seconds``; and per
@@ -145,8 +149,20 @@ class PrometheusStatLogger:
                                     "Generated tokens of each finished request.", buckets=tokens)
 
     def set_cache_config(self, engine) -> None:
-        """``cache_config_info`` from the engine's KV cache (set once, at start)."""
+        """``cache_config_info`` from the engine's KV cache, and the split of the
+        KV budget between the target's cache and a draft model's (set once, at start)."""
         kv, cfg = engine.kv_cache, engine.config
+        split, m = engine.kv_split(), self.model_name
+        for prefix in self.prefixes:
+            Gauge(prefix + "kv_budget_bytes", "KV memory budget shared by the target's and the draft's caches.",
+                  ["model_name"], registry=self.registry).labels(m).set(split["kv_budget_bytes"])
+            size = Gauge(prefix + "kv_cache_capacity_bytes", "Bytes of each KV cache (target, draft).",
+                         ["model_name", "kv_cache"], registry=self.registry)
+            blocks = Gauge(prefix + "kv_cache_blocks", "Blocks (or reserved rows) of each KV cache (target, draft).",
+                           ["model_name", "kv_cache"], registry=self.registry)
+            for owner in ("target", "draft"):
+                size.labels(m, owner).set(split[f"{owner}_kv_bytes"])
+                blocks.labels(m, owner).set(split[f"{owner}_kv_blocks"])
         labels = {"block_size": kv.block_size, "cache_dtype": cfg.kv_cache_dtype, "num_gpu_blocks": kv.num_blocks,
                   "kv_bytes_per_token": kv.bytes_per_token, "kv_layout": cfg.kv_layout}
         for prefix in self.prefixes:

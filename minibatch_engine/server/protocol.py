@@ -6,7 +6,7 @@ answers it with HTTP 400 and OpenAI's error shape
 ``{"error": {"message", "type", "param", "code"}}``, with the HTTP status in
 ``code`` as vLLM does (OpenAI's own ``code`` is a string or null, and its
 ``type`` values differ). Fields OpenAI or vLLM define but
-this engine does not implement (``suffix``, ``tools``, guided decoding, ...)
+this engine does not implement (``suffix``, ``tools``, ``use_beam_search``, ...)
 are refused by name when set, never silently ignored
 (:mod:`.request_fields`, which also reads the sampling extensions and
 log-probabilities); fields nobody defines are ignored, as OpenAI's own server
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 from ..request import check_priority
 from ..sampling import SamplingParams
-from .request_fields import refuse_unimplemented, sampling_fields
+from .request_fields import refuse_unimplemented, sampling_fields, structured_fields
 
 MAX_N = 128                     # most choices per request
 
@@ -61,6 +61,8 @@ class GenerationRequest:
     echo: bool = False                   # completions: the prompt leads the text (and its logprobs)
     add_generation_prompt: bool = True   # chat: the template opens the assistant's turn
     continuous_usage: bool = False       # stream_options.continuous_usage_stats: usage in every chunk
+    echo_only: bool = False              # completions: echo with max_tokens 0, the prompt alone (OpenAI's scoring)
+    structured_field: str | None = None  # the field that asked for structured output (named in its errors)
 
     def choice_params(self, k: int) -> SamplingParams:
         """Sampling for choice ``k`` of a prompt: vLLM's n > 1 rule, seed + k."""
@@ -176,10 +178,17 @@ def parse_request(body, chat: bool) -> GenerationRequest:
         raise APIError(f"'model' must be a string, got {model!r}", "model")
     refuse_unimplemented(body, chat, APIError)
     extra, echo, add_generation_prompt = sampling_fields(body, chat, APIError)
+    extra["structured_outputs"], structured_field = structured_fields(body, APIError)
     messages = _messages(body) if chat else []
     prompts = [] if chat else _prompts(body)
     mt_name = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
-    max_tokens = _int(body, mt_name, None, 1)
+    max_tokens = _int(body, mt_name, None, 0)
+    # OpenAI's legacy scoring request (vLLM's too): echo with max_tokens 0 returns the prompt and
+    # its log-probabilities alone. The engine still computes one token; the reply leaves it out.
+    echo_only = echo and max_tokens == 0
+    if max_tokens == 0 and not echo_only:
+        hint = "" if chat else " (0 only with 'echo': true)"
+        raise APIError(f"'{mt_name}' must be an integer >= 1{hint}, got 0", mt_name)
     n = _int(body, "n", 1, 1, MAX_N)
     best_of = body.get("best_of")
     if best_of is not None and best_of != n:
@@ -207,7 +216,8 @@ def parse_request(body, chat: bool) -> GenerationRequest:
         raise APIError("'stream_options' is only allowed with 'stream': true", "stream_options")
     try:
         params = SamplingParams(
-            max_tokens=max_tokens or 16,       # the caller replaces an absent chat max_tokens with the room left
+            # the caller replaces an absent chat max_tokens with the room left
+            max_tokens=1 if echo_only else max_tokens or 16,
             temperature=_float(body, "temperature", 1.0, lambda v: v >= 0, "a number >= 0"),
             top_p=_float(body, "top_p", 1.0, lambda v: 0 < v <= 1, "a number in (0, 1]"),
             top_k=max(0, top_k), seed=_int(body, "seed", None, 0, 2**63 - MAX_N),
@@ -218,7 +228,8 @@ def parse_request(body, chat: bool) -> GenerationRequest:
         raise APIError(str(e).replace("SamplingParams.", ""), name) from None
     return GenerationRequest(model, prompts, params, n, stream, include_usage,
                              _priority(body), max_tokens is not None, chat, messages,
-                             echo, add_generation_prompt, continuous_usage)
+                             echo, add_generation_prompt, continuous_usage, echo_only,
+                             structured_field)
 
 
 # --- responses ------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """The request fields beyond the basic ones: vLLM's sampling extensions,
-log-probabilities and ``echo``, and every known field this server does not
-implement, refused by name.
+log-probabilities and ``echo``, structured output, and every known field
+this server does not implement, refused by name.
 
 Fields OpenAI or vLLM define are either honoured or refused with HTTP 400
 naming the field; never accepted and ignored (a client that asks for JSON
@@ -12,22 +12,28 @@ Log-probabilities in the response (:func:`completion_logprobs`,
 distribution (vLLM's default ``logprobs_mode``), at most
 :data:`MAX_LOGPROBS` alternatives per token, ``-inf`` sent as ``-9999.0``
 (JSON has no infinity).
+
+Structured output (:func:`structured_fields`) comes in three spellings, one
+per request: OpenAI's ``response_format`` (``json_object``, or ``json_schema``
+with ``json_schema.schema``), vLLM's ``structured_outputs`` object (``json``,
+``regex``, ``choice``, ``grammar``, ``json_object``), and vLLM's older
+``guided_json``, ``guided_regex``, ``guided_choice`` and ``guided_grammar``.
 """
 from __future__ import annotations
 
 import math
 
 from ..logprobs import as_dicts
+from ..structured_output import StructuredOutputsParams
 
 MAX_LOGPROBS = 20               # vLLM's default --max-logprobs
 
 # Known fields not implemented: refused when set to anything but these "off" values.
 REFUSED_BOTH = {
     "suffix": (None, ""), "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0),
-    "early_stopping": (None, False), "allowed_token_ids": (None,), "guided_json": (None,),
-    "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "early_stopping": (None, False), "allowed_token_ids": (None,),
     "guided_decoding_backend": (None,), "guided_whitespace_pattern": (None,),
-    "structured_outputs": (None,), "logits_processors": (None,), "prompt_embeds": (None,),
+    "logits_processors": (None,), "prompt_embeds": (None,),
     "return_tokens_as_token_ids": (None, False), "return_token_ids": (None, False),
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
     "add_special_tokens": (None, False), "vllm_xargs": (None,), "mm_processor_kwargs": (None,),
@@ -52,20 +58,61 @@ def refuse_unimplemented(body: dict, chat: bool, error) -> None:
             if name in body and not any(body[name] == v and type(body[name]) is type(v) or
                                         (body[name] is None and v is None) for v in off):
                 raise error(f"'{name}' is not supported by this server{_hint(name)}", name)
-    fmt = body.get("response_format")
-    if fmt is not None and fmt != {"type": "text"}:
-        raise error("'response_format' is not supported by this server except {\"type\": \"text\"} "
-                    "(structured output is not implemented)", "response_format")
 
 
 def _hint(name: str) -> str:
-    if name.startswith("guided_") or name == "structured_outputs":
-        return " (structured output is not implemented)"
+    if name == "guided_decoding_backend":
+        return " (structured output always runs on xgrammar)"
+    if name == "guided_whitespace_pattern":
+        return " (structured_outputs.disable_any_whitespace chooses compact or free JSON whitespace)"
     if name == "skip_special_tokens":
         return " with false (special tokens are always skipped)"
     if name == "chat_template_kwargs":
         return " (the model's template takes no arguments here; add_generation_prompt is a field of its own)"
     return ""
+
+
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+JSON_SCHEMA_FORMAT = '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}'
+
+
+def structured_fields(body: dict, error) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The request's structured output and the field that asked for it (None,
+    None: free text). At most one field may ask; each is checked here, and the
+    grammar itself when it is compiled (the handler names this field then too)."""
+    found = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else None
+        if kind not in ("text", "json_object", "json_schema"):
+            raise error("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                        f"{JSON_SCHEMA_FORMAT}, got {fmt!r}", "response_format")
+        if kind == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            schema = spec.get("schema") if isinstance(spec, dict) else None
+            if not isinstance(schema, dict):
+                raise error(f"'response_format' of type json_schema needs a schema object: {JSON_SCHEMA_FORMAT}",
+                            "response_format")
+            found.append(("response_format", {"json": schema}))
+    if body.get("structured_outputs") is not None:
+        if not isinstance(body["structured_outputs"], dict):
+            raise error("'structured_outputs' must be an object with one of json, regex, choice, grammar, "
+                        "json_object", "structured_outputs")
+        found.append(("structured_outputs", body["structured_outputs"]))
+    found += [(name, {kind: body[name]}) for name, kind in GUIDED.items() if body.get(name) is not None]
+    if len(found) > 1:
+        raise error(f"ask for structured output once: {', '.join(n for n, _ in found)} are all set",
+                    found[1][0])
+    if not found:
+        return None, None
+    name, spec = found[0]
+    try:
+        return StructuredOutputsParams.of(spec), name
+    except ValueError as e:
+        what = "structured_outputs" if name == "structured_outputs" else f"structured_outputs.{next(iter(spec))}"
+        raise error(str(e).replace(f"SamplingParams.{what}", name), name) from None
 
 
 def sampling_fields(body: dict, chat: bool, error) -> tuple[dict, bool, bool]:

@@ -57,7 +57,7 @@ from aiohttp import web
 from ..cluster.prefix_index import PrefixIndex, block_hashes
 from ..cluster.router import ReplicaState, RouterPolicy, make_router
 from .access import api_key_middleware
-from .app import error_response
+from .errors import error_middleware
 from .launch import STATE_KEY
 from .limits import ConnectionLimits, read_body, run_forever
 from .protocol import APIError, parse_json
@@ -116,7 +116,8 @@ def build_router_app(backends: Sequence[str], policy: str | RouterPolicy = "roun
         raise ValueError(f"max_imbalance is the prefix policy's load guard; policy {policy!r} takes none")
     chooser = make_router(policy, **options)
     tokenizer = _tokenizer(model) if model is not None else None
-    app = web.Application(middlewares=[api_key_middleware([api_key]), _errors] if api_key else [_errors])
+    guards = [api_key_middleware([api_key])] if api_key else []
+    app = web.Application(middlewares=[*guards, error_middleware()])
     app[STATE_KEY] = {"upstream_auth": f"Bearer {api_key}" if api_key else None, "backends": [Backend(i, u) for i, u in enumerate(urls)], "policy": chooser,
                       "index": PrefixIndex(len(urls), block_size), "tokenizer": tokenizer,
                       "poll_interval": poll_interval, "connect_timeout": connect_timeout,
@@ -137,16 +138,6 @@ def _tokenizer(model: str):
         raise ValueError(f"--model {model!r}: no tokenizer found there ('tiny', a trained model or a "
                          "checkpoint directory with tokenizer.json); drop --model to key prompts by bytes")
     return tok
-
-
-@web.middleware
-async def _errors(request, handler):
-    try:
-        return await handler(request)
-    except APIError as e:
-        return error_response(e)
-    except ConnectionResetError:                # the client left while its body was read: nothing to answer
-        return web.Response(status=499, reason="Client Closed Request")
 
 
 # --- background: the backends' health and KV usage -----------------------------------

@@ -1,8 +1,8 @@
 """Proposers: cheap guesses of a decoding request's next k tokens.
 
 The runner runs the proposer at the end of each step, after sampling (vLLM
-V1's shape): for every sequence that has just sampled, it hands over the
-runner's own copy of its tokens (:class:`ProposalInput`), and returns the
+V1's shape): for every sequence that has just sampled, it hands over its
+tokens from the runner's persistent batch (:class:`ProposalInput`), and returns the
 guesses in ``RunnerOutput.spec_token_ids``. The scheduler stores them on the
 request and schedules them next step as extra query tokens, and the target
 verifies them in the same forward as everything else (:mod:`.verify`).

@@ -14,7 +14,7 @@ PACKAGE = Path(__file__).resolve().parents[2] / "minibatch_engine"
 # Lowest first. A module may import from its own layer or below, never above.
 LAYERS = [
     {"checks", "device", "cpu_threads", "inputs", "sampling", "request", "outputs", "stop_strings",
-     "logits_process", "logprobs"},
+     "logits_process", "logprobs", "structured_output"},
     {"attention", "kv"},
     {"model", "sim"},
     {"scheduler", "speculative"},

@@ -112,3 +112,19 @@ def test_simulate_with_tensor_parallelism(capsys):
                  "--max-batch", "4", "--no-progress"]) == 0
     assert main(["simulate", "--sim-model", "llama-3-70b", "--num-requests", "4", "--no-progress"]) == 2
     assert "--tp 2 or more" in capsys.readouterr().err            # the engine's field, named by its flag
+
+
+@pytest.mark.parametrize("argv", [["serve"], ["route", "--backend", "http://127.0.0.1:1"]])
+def test_serve_and_route_name_the_missing_serve_extra(argv, monkeypatch, capsys):
+    """Without aiohttp both commands stop with the package's name and the install that fixes it."""
+    server = [m for m in sys.modules if m == "minibatch_engine.server" or m.startswith("minibatch_engine.server.")]
+    for name in server:
+        monkeypatch.delitem(sys.modules, name)      # imported afresh, so aiohttp is looked up again
+    monkeypatch.setitem(sys.modules, "aiohttp", None)
+    try:
+        assert main(argv) == 2
+    finally:
+        for name in [m for m in sys.modules if m.startswith("minibatch_engine.server") and m not in server]:
+            del sys.modules[name]                   # what the failed import left: not the real modules
+    err = capsys.readouterr().err
+    assert f"{argv[0]} needs the serve extra (aiohttp is missing): pip install 'minibatch-engine[serve]'" in err

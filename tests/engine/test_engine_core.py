@@ -388,10 +388,13 @@ def _every_knob_together(tiny64, data, block_size, extra_blocks, chunked, budget
             engine.abort(target.request_id)
         engine.step()
         assert engine.scheduler.num_seqs() <= B, "more sequences running than max_num_seqs"
-        if k:                   # the runner's own copy of each running request's tokens: the scheduler's,
-            for r in engine.scheduler.running:      # up to the last computed or sampled one
-                copy = engine.runner.token_ids[r.request_id]
-                assert copy == r.all_token_ids[:len(copy)] and len(copy) >= r.num_computed_tokens
+        batch = engine.runner.input_batch   # the runner's persistent batch holds every running request:
+        for r in engine.scheduler.running:  # its tokens up to the last computed or sampled one, its blocks
+            state = batch[r.request_id]
+            copy = state.token_ids
+            assert copy == r.all_token_ids[:len(copy)] and len(copy) >= r.num_computed_tokens
+            table = list(engine.kv_cache.block_table(r.request_id))   # (rollback may have cut its tail since)
+            assert state.block_table[:len(table)] == table
         step += 1
         assert step < 3000, "no progress"
     for r in reqs:

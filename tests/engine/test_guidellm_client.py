@@ -18,7 +18,7 @@ pytest.importorskip("aiohttp")
 pytest.importorskip("prometheus_client")
 GUIDELLM = shutil.which("guidellm") or str(Path(sys.executable).with_name("guidellm"))
 if not Path(GUIDELLM).is_file():
-    pytest.skip("guidellm is not installed (pip install guidellm)", allow_module_level=True)
+    pytest.skip("guidellm is not installed (the clients extra: make test-clients)", allow_module_level=True)
 
 from minibatch_engine.server import ServerThread, make_app  # noqa: E402
 

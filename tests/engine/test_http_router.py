@@ -4,10 +4,6 @@ same greedy text as the offline ``LLM``, streaming, the policies' choices
 is down, disconnects that leave no request running, and ``bench --endpoint``
 through the router with one server's metric set."""
 import asyncio
-import json
-import random
-import socket
-import time
 import urllib.error
 import urllib.request
 
@@ -22,7 +18,7 @@ from minibatch_engine.server import ServerThread, make_app  # noqa: E402
 from minibatch_engine.server.metrics import parse_metrics  # noqa: E402
 from minibatch_engine.server.router_app import ROUTED_HEADER, build_router_app, federate  # noqa: E402
 
-OPTS = dict(device="cpu", attention_backend="sdpa", max_num_seqs=32, max_model_len=256)
+from .server_fixtures import IDLE, OPTS, free_port, metrics, post, streams_that_leave, wait_idle  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -35,21 +31,6 @@ def backends():
 
 def router(backends, **kw):
     return ServerThread(build_router_app([s.url for s in backends], poll_interval=0.1, **kw))
-
-
-def post(url, body, path="/v1/completions"):
-    req = urllib.request.Request(f"{url}{path}", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req) as r:
-            return r.status, json.loads(r.read()), r.headers
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read()), e.headers
-
-
-def metrics(url) -> dict:
-    with urllib.request.urlopen(f"{url}/metrics") as r:
-        return parse_metrics(r.read().decode())
 
 
 def test_greedy_text_through_the_router_equals_the_offline_llm_streamed_or_not(backends):
@@ -118,44 +99,11 @@ def test_prefix_affinity_keeps_a_shared_prefix_on_one_backend_within_the_load_gu
     assert fresh == backends[0].url
 
 
-def idle(server, deadline_s=20.0):
-    m, deadline = None, time.time() + deadline_s
-    while time.time() < deadline:
-        m = metrics(server.url)
-        state = tuple(m['minibatch:' + k + '{model_name="tiny"}']
-                      for k in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"))
-        if state == (0, 0, 0):
-            return True
-        time.sleep(0.1)
-    return False
-
-
 def test_clients_that_leave_through_the_router_leave_nothing_running_on_the_backends(backends, caplog):
-    rng = random.Random(0)
-
-    async def one(session, url, i):
-        body = {"prompt": f"request {i}", "max_tokens": rng.randint(4, 60), "stream": True, "ignore_eos": True}
-        leave_after = rng.choice([None, 0, 1, 3, 10])
-        async with session.post(f"{url}/v1/completions", json=body) as r:
-            assert r.status == 200
-            if leave_after == 0:
-                return "left"
-            seen = 0
-            async for line in r.content:
-                if line.startswith(b"data: {"):
-                    seen += 1
-                    if leave_after is not None and seen >= leave_after:
-                        r.close()
-                        return "left"
-        return "done"
-
-    async def main(url):
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-            return await asyncio.gather(*(one(session, url, i) for i in range(60)))
     with router(backends, policy="least-requests") as r:
-        outcomes = asyncio.run(main(r.url))
+        outcomes = streams_that_leave(r.url, 60, max_tokens=60)
         assert outcomes.count("left") > 15 and outcomes.count("done") > 5
-        assert all(idle(s) for s in backends)
+        assert all(wait_idle(s.url, 20) == IDLE for s in backends)
         m = metrics(r.url)
         assert sum(m[f'minibatch_router:requests_in_flight{{backend="{s.url}"}}'] for s in backends) == 0
         aborted = sum(v for k, v in m.items() if k.startswith("minibatch:request_success_total")
@@ -165,14 +113,8 @@ def test_clients_that_leave_through_the_router_leave_nothing_running_on_the_back
     assert not [rec for rec in caplog.records if "Error handling request" in rec.getMessage()]
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_a_backend_that_is_down_is_skipped_and_none_left_answers_503(backends):
-    dead = f"http://127.0.0.1:{_free_port()}"
+    dead = f"http://127.0.0.1:{free_port()}"
     with ServerThread(build_router_app([dead, backends[0].url], poll_interval=60)) as r:
         for i in range(3):
             status, _, headers = post(r.url, {"prompt": f"up {i}", "max_tokens": 2})

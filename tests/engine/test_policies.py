@@ -148,25 +148,20 @@ def test_priority_admits_the_best_and_preempts_only_worse(reqs, blocks, seqs, ag
     assert_all_memory_back(engine)
 
 
-def test_priority_preempts_for_a_place_and_for_memory():
-    # One place (max_num_seqs=1): a low-priority request runs; a high one arrives.
-    engine = policy_engine("priority", num_kv_blocks=64, max_num_seqs=1)
+@pytest.mark.parametrize("num_kv_blocks,max_num_seqs,prompt,low_tokens,high_tokens", [
+    (64, 1, 8, 50, 5),      # one place (max_num_seqs=1): a low-priority request runs; a high one arrives
+    (8, 4, 16, 12, 12),     # memory: the pool holds one request; a place is free, blocks are not
+], ids=["for-a-place", "for-memory"])
+def test_priority_preempts_for_a_place_and_for_memory(num_kv_blocks, max_num_seqs, prompt, low_tokens,
+                                                       high_tokens):
+    engine = policy_engine("priority", num_kv_blocks=num_kv_blocks, max_num_seqs=max_num_seqs)
     seen = watch_priority(engine)
-    low = engine.add_request([1] * 8, params(50), priority=5)
+    low = engine.add_request([1] * prompt, params(low_tokens), priority=5)
     engine.step()
-    high = engine.add_request([2] * 8, params(5), priority=0)
+    high = engine.add_request([2] * prompt, params(high_tokens), priority=0)
     engine.run()
     assert [(v.request_id, b.request_id) for v, b in seen] == [(low.request_id, high.request_id)]
-    assert high.finish_step < low.finish_step and low.num_output_tokens == 50
-    # Memory: the pool holds one request; a place is free, blocks are not.
-    engine = policy_engine("priority", num_kv_blocks=8, max_num_seqs=4)
-    seen = watch_priority(engine)
-    low = engine.add_request([1] * 16, params(12), priority=5)
-    engine.step()
-    high = engine.add_request([2] * 16, params(12), priority=0)
-    engine.run()
-    assert [(v.request_id, b.request_id) for v, b in seen] == [(low.request_id, high.request_id)]
-    assert high.finish_step < low.finish_step
+    assert high.finish_step < low.finish_step and low.num_output_tokens == low_tokens
     assert_all_memory_back(engine)
     # Under FCFS neither preempts: the high-priority request waits.
     engine = policy_engine("fcfs", num_kv_blocks=8, max_num_seqs=4)

@@ -5,7 +5,6 @@ strings, usage, errors, disconnects, a full queue, SIGTERM, and
 import asyncio
 import json
 import os
-import random
 import signal
 import subprocess
 import sys
@@ -19,18 +18,13 @@ openai = pytest.importorskip("openai")
 aiohttp = pytest.importorskip("aiohttp")
 pytest.importorskip("prometheus_client")
 
-from minibatch_engine import LLM, SamplingParams  # noqa: E402
+from minibatch_engine import SamplingParams  # noqa: E402
 from minibatch_engine.server import ServerThread, make_app  # noqa: E402
-from minibatch_engine.server.metrics import parse_metrics  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-from .server_fixtures import OPTS, client, offline, server  # noqa: E402,F401 (fixtures)
+from .server_fixtures import IDLE, OPTS, free_port, metrics, post, streams_that_leave, wait_idle  # noqa: E402
+from .server_fixtures import client, offline, server  # noqa: E402,F401 (fixtures)
 PROMPTS = ["The cat", "Serving under load", "a"]
-
-
-def metrics(server) -> dict:
-    with urllib.request.urlopen(f"{server.url}/metrics") as r:
-        return parse_metrics(r.read().decode())
 
 
 def gauge(m: dict, name: str) -> float:
@@ -107,65 +101,27 @@ BAD = [({"prompt": "x", "max_tokens": 0}, "max_tokens"), ({"prompt": "x", "tempe
        ({"prompt": "x", "priority": 1.5}, "priority"), ({"prompt": "x", "stream_options": {}}, "stream_options")]
 
 
-def post(server, path, body, raw: bytes | None = None):
-    req = urllib.request.Request(f"{server.url}{path}", data=raw if raw is not None else json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req) as r:
-            return r.status, json.loads(r.read()), r.headers
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read()), e.headers
-
-
 @pytest.mark.parametrize("body,param", BAD)
 def test_bad_requests_get_400_naming_the_field_and_the_server_goes_on(server, client, body, param):
-    status, err, _ = post(server, "/v1/completions", {"model": "tiny", **body})
+    status, err, _ = post(server.url, {"model": "tiny", **body})
     assert status == 400 and err["error"]["param"] == param and err["error"]["code"] == 400
     assert set(err["error"]) == {"message", "type", "param", "code"}
     assert client.completions.create(model="tiny", prompt="ok", max_tokens=2).usage.completion_tokens >= 1
 
 
 def test_bad_json_unknown_models_and_bad_messages(server, client):
-    assert post(server, "/v1/completions", None, raw=b"{not json")[0] == 400
+    assert post(server.url, raw=b"{not json")[0] == 400
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="gpt-4", prompt="x", max_tokens=2)
-    status, err, _ = post(server, "/v1/chat/completions", {"messages": [{"role": "robot", "content": "x"}]})
+    status, err, _ = post(server.url, {"messages": [{"role": "robot", "content": "x"}]}, "/v1/chat/completions")
     assert status == 400 and err["error"]["param"] == "messages[0].role"
 
 
 def test_many_streams_with_random_disconnects_leave_nothing_running(server, caplog):
-    rng = random.Random(0)
-
-    async def one(session, i):
-        body = {"model": "tiny", "prompt": f"request {i}", "max_tokens": rng.randint(4, 40), "stream": True,
-                "ignore_eos": True}
-        leave_after = rng.choice([None, 0, 1, 3, 10])
-        async with session.post(f"{server.url}/v1/completions", json=body) as r:
-            assert r.status == 200
-            if leave_after == 0:
-                return "left"
-            seen = 0
-            async for line in r.content:
-                if line.startswith(b"data: {"):
-                    seen += 1
-                    if leave_after is not None and seen >= leave_after:
-                        r.close()                           # the client goes away mid-stream
-                        return "left"
-        return "done"
-
-    async def main():
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
-            return await asyncio.gather(*(one(session, i) for i in range(120)))
-    outcomes = asyncio.run(main())
+    outcomes = streams_that_leave(server.url, 120, max_tokens=40, model="tiny")
     assert outcomes.count("left") > 30 and outcomes.count("done") > 10
-    deadline = time.time() + 20
-    while True:
-        m = metrics(server)
-        idle = (gauge(m, "num_requests_running"), gauge(m, "num_requests_waiting"), gauge(m, "kv_cache_usage_perc"))
-        if idle == (0, 0, 0) or time.time() > deadline:
-            break
-        time.sleep(0.1)
-    assert idle == (0, 0, 0)
+    assert wait_idle(server.url, 20) == IDLE
+    m = metrics(server.url)
     assert m['minibatch:request_success_total{finished_reason="abort",model_name="tiny"}'] > 0
     assert server.call(_held(server)) == 0
     # a client leaving is not a server error: no "Error handling request" traceback
@@ -178,7 +134,7 @@ async def _held(server):
 
 def test_metrics_use_vllms_names(server, client):
     client.completions.create(model="tiny", prompt="count me", max_tokens=3, extra_body={"ignore_eos": True})
-    m = metrics(server)
+    m = metrics(server.url)
     for name in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "num_preemptions_total",
                  "prompt_tokens_total", "generation_tokens_total"):
         assert f'minibatch:{name}{{model_name="tiny"}}' in m
@@ -223,10 +179,7 @@ def test_sigterm_drains_then_aborts_and_exits_cleanly(tmp_path):
     (finished before the signal) is whole; each long one ends whole or with an
     abort event and [DONE]; the log counts those aborts; nothing is left behind."""
     import re
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MINIBATCH_NO_CPP": "1"}     # no kernel build to wait for
     proc = subprocess.Popen([sys.executable, "-m", "minibatch_engine", "serve", "--model", "tiny", "--port", str(port),
                              "--device", "cpu", "--attention-backend", "sdpa", "--shutdown-timeout", "1",

@@ -77,6 +77,60 @@ def test_lm_eval_loglikelihood_request(server, offline):
     assert body["usage"]["prompt_tokens"] == len(ids)
 
 
+def test_lm_eval_batched_loglikelihood_request(server, offline):
+    """lm-eval's ``--batch_size 4``: several token-id prompts of different
+    lengths in one request; choice i scores prompt i, as lm-eval reads it
+    (the continuation's sum: ``token_logprobs[ctxlen:-1]``)."""
+    texts = ["import os", "for i in range(3):", "x", "def f(a, b):\n    return a"]
+    prompts = [offline.tokenizer.encode(t) for t in texts]
+    status, body = post(server, "/v1/completions", {"model": "tiny", "prompt": prompts, "echo": True,
+                                                    "logprobs": 1, "max_tokens": 1, "temperature": 0})
+    assert status == 200 and [c["index"] for c in body["choices"]] == [0, 1, 2, 3]
+    for ids, c in zip(prompts, body["choices"]):
+        lps = c["logprobs"]["token_logprobs"]
+        assert len(lps) == len(ids) + 1
+        ref = reference(offline.model, ids)
+        ctxlen = max(1, len(ids) // 2)
+        assert sum(lps[ctxlen:-1]) == pytest.approx(sum(ref[p - 1, ids[p]].item()
+                                                        for p in range(ctxlen, len(ids))), abs=1e-4)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_max_tokens_zero_scores_the_prompt_alone(server, offline, stream):
+    """OpenAI's legacy scoring request, which vLLM serves (older lm-eval and
+    HELM send it): ``echo`` with ``max_tokens: 0`` returns the prompt and its
+    log-probabilities, and no completion."""
+    ids = offline.tokenizer.encode("The cat sat")
+    body = {"model": "tiny", "prompt": "The cat sat", "echo": True, "logprobs": 2, "max_tokens": 0,
+            "temperature": 0, "stream": stream}
+    req = urllib.request.Request(f"{server.url}/v1/completions", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req) as r:
+        raw = r.read().decode()
+    if stream:
+        chunks = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
+        text = "".join(c["choices"][0]["text"] for c in chunks)
+        lps = sum((c["choices"][0]["logprobs"]["token_logprobs"] for c in chunks
+                   if c["choices"][0]["logprobs"]), [])
+        reason = chunks[-1]["choices"][0]["finish_reason"]
+    else:
+        c = json.loads(raw)["choices"][0]
+        text, lps, reason = c["text"], c["logprobs"]["token_logprobs"], c["finish_reason"]
+        assert json.loads(raw)["usage"]["completion_tokens"] == 0
+        assert len(c["logprobs"]["top_logprobs"]) == len(ids)
+    assert text == "The cat sat" and reason == "length"
+    ref = reference(offline.model, ids)
+    assert lps[0] is None and lps[1:] == pytest.approx([ref[p - 1, ids[p]].item() for p in range(1, len(ids))],
+                                                       abs=1e-4)
+
+
+def test_max_tokens_zero_needs_echo(server):
+    for path, extra in (("/v1/completions", {"prompt": "x"}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})):
+        status, err = post(server, path, {"model": "tiny", "max_tokens": 0, **extra})
+        assert status == 400 and err["error"]["param"] == "max_tokens", err
+
+
 def test_prompt_logprobs_vllm_extension(server, offline):
     ids = offline.tokenizer.encode("Hello there")
     status, body = post(server, "/v1/completions", {"model": "tiny", "prompt": ids, "max_tokens": 2,
@@ -170,8 +224,7 @@ def _on(name):
             "echo": True, "suffix": "x", "tools": [{"type": "function", "function": {"name": "f"}}],
             "tool_choice": "auto", "functions": [{"name": "f"}], "function_call": "auto",
             "service_tier": "flex", "modalities": ["audio"], "chat_template_kwargs": {"x": 1},
-            "guided_choice": ["a", "b"], "guided_json": {"type": "object"}, "guided_regex": "a+",
-            "structured_outputs": {"choice": ["a"]}, "prompt_logprobs": 1, "top_logprobs": 2,
+            "prompt_logprobs": 1, "top_logprobs": 2,
             "best_of": 3, "store": True}.get(name, "x")
 
 
@@ -186,9 +239,10 @@ def test_every_unimplemented_field_is_refused_by_name(server, chat, name):
     assert status == 400 and err["error"]["param"] == name, err
 
 
-@pytest.mark.parametrize("fmt,ok", [({"type": "text"}, True), ({"type": "json_object"}, False),
-                                    ({"type": "json_schema", "json_schema": {"name": "x", "schema": {}}}, False)])
-def test_response_format_text_only(server, fmt, ok):
+@pytest.mark.parametrize("fmt,ok", [({"type": "text"}, True), ({"type": "structural_tag"}, False),
+                                    ({"type": "json_schema", "json_schema": {"name": "x"}}, False)])
+def test_response_format_is_checked(server, fmt, ok):
+    """(Structured output itself: test_server_structured_output.py.)"""
     status, err = post(server, "/v1/chat/completions", {"model": "tiny", "max_tokens": 1, "response_format": fmt,
                                                         "messages": [{"role": "user", "content": "x"}]})
     assert (status == 200) == ok and (ok or err["error"]["param"] == "response_format")

@@ -11,8 +11,6 @@ import os
 import random
 import socket
 import time
-import urllib.error
-import urllib.request
 
 import pytest
 
@@ -25,45 +23,11 @@ from minibatch_engine import AsyncLLM, SamplingParams  # noqa: E402
 from minibatch_engine.cli import main  # noqa: E402
 from minibatch_engine.server import ServerThread, make_app  # noqa: E402
 from minibatch_engine.server.app import STATE_KEY  # noqa: E402
-from minibatch_engine.server.metrics import parse_metrics  # noqa: E402
 from minibatch_engine.server.router_app import build_router_app  # noqa: E402
 
-OPTS = dict(device="cpu", attention_backend="sdpa", max_num_seqs=32, max_model_len=256)
+from .server_fixtures import IDLE, OPTS, metrics, post, wait_idle  # noqa: E402
+
 BOUND = 128                     # --max-waiting-requests of the disconnect servers (= the API's largest n)
-
-
-def post(url, body=None, path="/v1/completions", raw: bytes | None = None, timeout: float = 300):
-    data = raw if raw is not None else json.dumps(body).encode()
-    req = urllib.request.Request(f"{url}{path}", data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as r:
-            return r.status, json.loads(r.read()), r.headers
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read()), e.headers
-
-
-def metrics(url) -> dict:
-    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
-        return parse_metrics(r.read().decode())
-
-
-def gauges(url) -> dict:
-    """Running, waiting and KV usage summed over every series (a router's are per backend)."""
-    out = {"num_requests_running": 0.0, "num_requests_waiting": 0.0, "kv_cache_usage_perc": 0.0}
-    for key, value in metrics(url).items():
-        name = key.split("{", 1)[0].removeprefix("minibatch:")
-        if name in out:
-            out[name] += value
-    return out
-
-
-def wait_idle(url, seconds: float = 30) -> dict:
-    deadline = time.monotonic() + seconds
-    while True:
-        g = gauges(url)
-        if not any(g.values()) or time.monotonic() > deadline:
-            return g
-        time.sleep(0.1)
 
 
 def _http(host_port: str, body: dict, path: str = "/v1/completions") -> bytes:
@@ -130,7 +94,7 @@ def disconnect_storm(url: str, count: int, seed: int, concurrency: int = 24) -> 
 
 def assert_back_to_idle(url: str) -> None:
     """/metrics idle, and a request that needs the whole waiting bound is admitted."""
-    assert wait_idle(url) == {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage_perc": 0}
+    assert wait_idle(url) == IDLE
     status, body, _ = post(url, {"prompt": "all of it", "n": BOUND, "max_tokens": 1, "temperature": 1.0})
     assert status == 200, body
     assert len(body["choices"]) == BOUND
@@ -177,7 +141,7 @@ def test_clients_that_leave_before_the_headers_go_out_give_their_admission_back(
                 await leave_at(s.url, "whole-request", {"prompt": f"gone {i}", "n": 8, "max_tokens": 64,
                                                          "stream": True, "ignore_eos": True}, rng)
         asyncio.run(run())
-        assert wait_idle(s.url) == {"num_requests_running": 0, "num_requests_waiting": 0, "kv_cache_usage_perc": 0}
+        assert wait_idle(s.url) == IDLE
         status, body, _ = post(s.url, {"prompt": "still here", "n": 8, "max_tokens": 2})
         assert status == 200, body
 

@@ -309,6 +309,54 @@ def test_the_draft_models_kv_is_inside_the_memory_budget(tiny64, kv_layout, budg
         Engine(tiny64, small(kv_budget_bytes=1_300_000, kv_layout=kv_layout, speculative=spec))
 
 
+@pytest.mark.parametrize("budget", [3_866_624, 5_555_555, 9_000_001])
+def test_the_budget_split_is_reported_and_speculation_keeps_its_tokens(tiny64, refs, budget):
+    """``Engine.kv_split`` (what the bench and /metrics show) is the two caches
+    as built: the draft's blocks count against kv_budget_bytes, and greedy
+    tokens stay those of a lone recompute."""
+    spec = SpeculativeConfig("draft_model", 3, draft_model=tiny64)
+    engine = Engine(tiny64, small(kv_budget_bytes=budget, speculative=spec))
+    split, draft = engine.kv_split(), engine.runner.proposer.kv_cache
+    assert split["kv_budget_bytes"] == budget
+    assert (split["draft_kv_blocks"], split["draft_kv_bytes"]) == (draft.num_blocks, draft.capacity_bytes)
+    assert (split["target_kv_blocks"], split["target_kv_bytes"]) == (engine.kv_cache.num_blocks,
+                                                                     engine.kv_cache.capacity_bytes)
+    assert 0 < split["draft_kv_bytes"] and split["target_kv_bytes"] + split["draft_kv_bytes"] <= budget
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=MAX_TOKENS, ignore_eos=True)) for p in PROMPTS]
+    peak = 0
+    while engine.has_unfinished():
+        engine.step()
+        peak = max(peak, draft.num_blocks - draft.manager.num_free_blocks)
+    assert [r.output_token_ids for r in reqs] == refs
+    assert 0 < peak <= split["draft_kv_blocks"]      # the draft wrote inside its own share
+    assert Engine(tiny64, small(kv_budget_bytes=budget)).kv_split()["draft_kv_bytes"] == 0
+
+
+def test_bench_and_metrics_show_the_budget_split(tiny64):
+    """The bench's summary and report, and /metrics, carry the target's and the draft's shares."""
+    pytest.importorskip("prometheus_client")
+    from minibatch_engine.bench import format_report, summarize
+    from minibatch_engine.server.metrics import PrometheusStatLogger, parse_metrics
+    spec = SpeculativeConfig("draft_model", 2, draft_model=tiny64)
+    engine = Engine(tiny64, small(kv_budget_bytes=5_555_555, speculative=spec))
+    split = engine.kv_split()
+    logger = PrometheusStatLogger("m")
+    logger.set_cache_config(engine)
+    m = parse_metrics(logger.exposition().decode())
+    assert m['minibatch:kv_budget_bytes{model_name="m"}'] == 5_555_555
+    for owner in ("target", "draft"):
+        key = f'{{kv_cache="{owner}",model_name="m"}}'
+        assert m["minibatch:kv_cache_capacity_bytes" + key] == split[f"{owner}_kv_bytes"]
+        assert m["minibatch:kv_cache_blocks" + key] == split[f"{owner}_kv_blocks"]
+    reqs = [engine.add_request(p, SamplingParams(max_tokens=4, ignore_eos=True)) for p in PROMPTS[:2]]
+    engine.run()
+    s = summarize(engine, reqs)
+    assert (s["kv_budget_bytes"], s["kv_capacity_bytes"], s["draft_kv_bytes"], s["draft_kv_blocks"]) == (
+        5_555_555, split["target_kv_bytes"], split["draft_kv_bytes"], split["draft_kv_blocks"])
+    run = {"workload": "two prompts", "num_requests": 2, "seed": 0, "scheduler": "continuous", "max_batch": 8}
+    assert f"in {split['draft_kv_blocks']} blocks, of a 5.3 MiB budget" in format_report({**s, **run})
+
+
 def test_the_simulated_draft_takes_its_share_of_gpu_memory():
     """In the simulator too: a draft model's weights and KV come out of the GPU's
     memory, so the target's KV cache is smaller than without it."""

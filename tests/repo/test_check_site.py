@@ -1,5 +1,7 @@
-"""tools/check_site.py on a two-page handmade site: it must flag code wider than
-its box (the 1280 px overflow check) and pass a page whose code fits."""
+"""tools/check_site.py on small handmade sites: it must flag code wider than
+its box (the 1280 px overflow check), a widget manager loaded where no widget
+is, and reference pages too wide for a phone or too long in print; and pass
+the pages that fit."""
 from __future__ import annotations
 
 import os
@@ -19,34 +21,12 @@ pytestmark = [
 ]
 
 PAGE = """<!DOCTYPE html><html><head><meta charset="utf-8"><title>{title}</title>
-<style>.bd-article {{ width: 600px }} pre {{ overflow-x: auto; margin: 0 }}</style></head>
+<style>.bd-article {{ width: 600px }} pre {{ overflow-x: auto; margin: 0 }}</style>{head}</head>
 <body><main><article class="bd-article">
 <div class="cell_input"><div class="highlight"><pre>{source}</pre></div></div>
 <details><summary>hidden</summary>
 <div class="cell_output"><div class="output"><pre>{output}</pre></div></div></details>
 </article></main></body></html>"""
-
-
-def test_overflowing_code_fails_and_fitting_code_passes(tmp_path: Path):
-    pytest.importorskip("playwright")
-    site = tmp_path / "html"
-    site.mkdir()
-    short = "x = 1"
-    (site / "index.html").write_text(PAGE.format(title="fits", source=short, output=short))
-    wide = "y = [" + ", ".join(str(i) for i in range(60)) + "]"  # ~230 columns
-    (site / "wide.html").write_text(PAGE.format(title="wide", source=short, output=wide))
-    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "check_site.py"), str(site),
-                           "--screenshots", str(tmp_path / "shots"), "--chromium", CHROMIUM],
-                          capture_output=True, text=True, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 1, out
-    lines = out.splitlines()
-    assert any(ln.startswith("index.html") and ln.rstrip().endswith("ok") for ln in lines), out
-    assert any(ln.startswith("wide.html") and "FAIL" in ln for ln in lines), out
-    # the collapsed output was opened and measured; the report names where and what
-    assert "code wider than its box at 1280 px (cell output" in out, out
-    assert "'y = [0, 1, 2" in out, out
-
 
 REF_PAGE = """<!DOCTYPE html><html><head><meta charset="utf-8"><title>{title}</title>
 <style>.bd-article {{ width: {width} }} p {{ margin: 0 0 1em }}</style></head>
@@ -55,25 +35,57 @@ REF_PAGE = """<!DOCTYPE html><html><head><meta charset="utf-8"><title>{title}</t
 </section></article></main></body></html>"""
 
 
-def test_reference_pages_are_checked_on_a_phone_and_in_print(tmp_path: Path):
-    """A reference page wider than a 390 px phone fails, as does one that prints
-    on more sheets than allowed (the cheat sheet: 2); one that fits passes."""
+def code_page(title: str, output: str = "x = 1", head: str = "") -> str:
+    return PAGE.format(title=title, source="x = 1", output=output, head=head)
+
+
+def check_site(tmp_path: Path, files: dict[str, str]) -> tuple[int, str]:
+    """Write ``files`` (path under the site -> text), run tools/check_site.py on
+    them: its exit status and its report."""
     pytest.importorskip("playwright")
     site = tmp_path / "html"
-    (site / "book").mkdir(parents=True)
-    (site / "index.html").write_text(PAGE.format(title="fits", source="x = 1", output="x = 1"))
-    long_text = "\n".join(f"<p>line {i} of a long page</p>" for i in range(400))
-    (site / "book" / "cheat_sheet.html").write_text(
-        REF_PAGE.format(title="cheat-sheet", width="600px", body=long_text))
-    (site / "book" / "glossary.html").write_text(
-        REF_PAGE.format(title="glossary", width="auto", body="<p>a short page that fits</p>"))
+    for rel, text in files.items():
+        (site / rel).parent.mkdir(parents=True, exist_ok=True)
+        (site / rel).write_text(text)
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "check_site.py"), str(site),
                            "--screenshots", str(tmp_path / "shots"), "--chromium", CHROMIUM],
                           capture_output=True, text=True, timeout=300)
-    out = proc.stdout + proc.stderr
-    assert proc.returncode == 1, out
-    lines = out.splitlines()
-    assert any(ln.startswith("book/glossary.html") and ln.rstrip().endswith("ok") for ln in lines), out
-    assert any(ln.startswith("book/cheat_sheet.html") and "FAIL" in ln for ln in lines), out
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def verdict(report: str, page: str) -> str:
+    """A page's row in the report: "ok" or "FAIL"."""
+    row = next(ln for ln in report.splitlines() if ln.startswith(page + " "))
+    return "ok" if row.rstrip().endswith("ok") else "FAIL" if "FAIL" in row else row
+
+
+def test_overflowing_code_and_an_unused_widget_manager_fail_and_fitting_code_passes(tmp_path: Path):
+    wide = "y = [" + ", ".join(str(i) for i in range(60)) + "]"  # ~230 columns
+    rc, out = check_site(tmp_path, {
+        "index.html": code_page("fits"),
+        "wide.html": code_page("wide", output=wide),
+        "manager.html": code_page("manager", head='<script src="embed-amd.js"></script>'),
+        "embed-amd.js": "",
+    })
+    assert rc == 1, out
+    assert (verdict(out, "index.html"), verdict(out, "wide.html"), verdict(out, "manager.html")) == \
+        ("ok", "FAIL", "FAIL"), out
+    # the collapsed output was opened and measured; the report names where and what
+    assert "code wider than its box at 1280 px (cell output" in out, out
+    assert "'y = [0, 1, 2" in out, out
+    assert "loads the widget manager (embed-amd.js) but shows no widget" in out, out
+
+
+def test_reference_pages_are_checked_on_a_phone_and_in_print(tmp_path: Path):
+    """A reference page wider than a 390 px phone fails, as does one that prints
+    on more sheets than allowed (the cheat sheet: 2); one that fits passes."""
+    long_text = "\n".join(f"<p>line {i} of a long page</p>" for i in range(400))
+    rc, out = check_site(tmp_path, {
+        "index.html": code_page("fits"),
+        "book/cheat_sheet.html": REF_PAGE.format(title="cheat-sheet", width="600px", body=long_text),
+        "book/glossary.html": REF_PAGE.format(title="glossary", width="auto", body="<p>a short page that fits</p>"),
+    })
+    assert rc == 1, out
+    assert (verdict(out, "book/glossary.html"), verdict(out, "book/cheat_sheet.html")) == ("ok", "FAIL"), out
     assert "phone (390 px): the page is" in out, out
     assert re.search(r"print: \d+ A4 pages, more than 2", out), out
