@@ -102,11 +102,18 @@ test-slow: $(TEST_STAMP) kernels  ## the slow tests: browser, JupyterLab, base-i
 # even when one fails, a table of their times comes at the end, and the target
 # fails naming the ones that failed. NBVAL_ALONE run after the others, one at a
 # time: they time things on the wall clock with threads of their own.
+# NBVAL_FIRST start first, the longest first (as `make nbval`'s table measured
+# them), so that no long notebook starts last and runs on while a core idles.
 NBVAL_JOBS ?= 2
 NBVAL_ALONE := book/appendix_cpu_kernels.ipynb
+NBVAL_FIRST := chapters/03_continuous_batching.ipynb chapters/08_serving_under_load.ipynb \
+               chapters/12_many_engines.ipynb chapters/13_fewer_bytes.ipynb \
+               chapters/09_speculative_decoding.ipynb chapters/05_chunked_prefill.ipynb
+NBVAL_PARALLEL = $(foreach nb,$(NBVAL_FIRST),$(filter $(nb),$(NOTEBOOKS))) \
+                 $(filter-out $(NBVAL_FIRST) $(NBVAL_ALONE),$(NOTEBOOKS))
 nbval: $(TEST_STAMP) $(KERNEL_CFG) kernels  ## re-run every chapter and compare with its stored outputs
 	@sh tools/nbval_each.sh $(NBVAL_JOBS) "$(PY) -m pytest -q -p no:cacheprovider --nbval --nbval-sanitize-with $(SANITIZE)" \
-	  $(filter-out $(NBVAL_ALONE),$(NOTEBOOKS)) -- $(filter $(NBVAL_ALONE),$(NOTEBOOKS))
+	  $(filter-out $(NBVAL_ALONE),$(NBVAL_PARALLEL)) -- $(filter $(NBVAL_ALONE),$(NOTEBOOKS))
 
 # `make test` runs its parts in turn, each a make target, and ends with a table
 # of their times (up to the part that failed, when one fails).

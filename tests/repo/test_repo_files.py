@@ -102,6 +102,19 @@ def test_make_nbval_names_each_notebook_and_fails_at_the_end(fake_venv: Path, tm
 
 
 @needs_make
+def test_make_nbval_starts_the_longest_notebooks_first(fake_venv: Path):
+    """NBVAL_FIRST, in its order, before the others (in NOTEBOOKS' order); the
+    ones run alone after the separator."""
+    first = ["chapters/03_continuous_batching.ipynb", "chapters/12_many_engines.ipynb"]
+    out = make("-n", f"VENV={fake_venv}", f"NBVAL_FIRST={' '.join(first)}",
+               f"NOTEBOOKS=x/a.ipynb {first[1]} book/appendix_cpu_kernels.ipynb x/b.ipynb {first[0]}", "nbval")
+    assert out.returncode == 0, out.stderr
+    line = out.stdout.replace("\\\n", " ").splitlines()[-1]      # the recipe, its lines joined
+    notebooks = line.split('" ')[-1].split()
+    assert notebooks == [*first, "x/a.ipynb", "x/b.ipynb", "--", "book/appendix_cpu_kernels.ipynb"]
+
+
+@needs_make
 def test_make_test_runs_its_parts_in_turn_and_prints_their_times(tmp_path: Path):
     """The parts as TEST_PARTS lists them, a table of seconds after the last, and
     the table up to the part that failed when one fails."""
