@@ -6,9 +6,10 @@ chapter 12's P/D sweep) can therefore be run once, stored, and read back, as
 long as each run of the chapter proves the stored numbers are still what the
 code gives. :func:`stored_runs` does both. It reads every run's result from
 ``stored/<name>.json`` beside this module, recomputes the runs the chapter
-names in ``check`` (at least one per value of each swept parameter, chosen in
-the chapter's cell, where the reader sees them), and fails, naming the run and
-the field, if one differs from its stored result. A change to the engine that
+names in ``check`` (chosen in the chapter's cell, where the reader sees them: in
+a grid, at least one per value of each swept parameter; along one parameter,
+its two ends), and fails, naming the run and the field, if one differs from its
+stored result. A change to the engine that
 moves a simulated number therefore fails the chapter's test run (nbval) until
 the sweep is stored again.
 
