@@ -88,13 +88,14 @@ kernels: $(STAMP)  ## compile the C++ CPU kernels (once; later calls find them c
 # each given whole test files. Most tests run on one core, so two workers keep a
 # two-core machine busy.
 # The tests marked slow (a browser, JupyterLab, the base-install venv, the soak,
-# guidellm) run apart, in `make test-slow`; `make test` runs both.
+# the real clients guidellm and lm-eval) run apart, in `make test-slow`; `make
+# test` runs both.
 UNIT_JOBS ?= 2
 PYTEST_JOBS = $(PY) -m pytest -q -p no:cacheprovider --durations=10 -n $(UNIT_JOBS) --dist loadfile
 unit: $(TEST_STAMP) kernels  ## unit, property and equivalence tests (pytest -m "not slow", UNIT_JOBS=2 workers)
 	$(PYTEST_JOBS) -m "not slow" tests
 
-test-slow: $(TEST_STAMP) kernels  ## the slow tests: browser, JupyterLab, base-install venv, soak (pytest -m slow)
+test-slow: $(TEST_STAMP) kernels  ## the slow tests: browser, JupyterLab, base-install venv, soak, clients (pytest -m slow)
 	$(PYTEST_JOBS) -m slow tests
 
 # One pytest per notebook (tools/nbval_each.sh), NBVAL_JOBS at a time: each
@@ -106,9 +107,10 @@ test-slow: $(TEST_STAMP) kernels  ## the slow tests: browser, JupyterLab, base-i
 # them), so that no long notebook starts last and runs on while a core idles.
 NBVAL_JOBS ?= 2
 NBVAL_ALONE := book/appendix_cpu_kernels.ipynb
-NBVAL_FIRST := chapters/03_continuous_batching.ipynb chapters/08_serving_under_load.ipynb \
-               chapters/12_many_engines.ipynb chapters/13_fewer_bytes.ipynb \
-               chapters/09_speculative_decoding.ipynb chapters/05_chunked_prefill.ipynb
+NBVAL_FIRST := chapters/13_fewer_bytes.ipynb chapters/03_continuous_batching.ipynb \
+               chapters/11_engine_to_server.ipynb chapters/08_serving_under_load.ipynb \
+               chapters/12_many_engines.ipynb chapters/09_speculative_decoding.ipynb \
+               chapters/05_chunked_prefill.ipynb book/simulator_validation.ipynb
 NBVAL_PARALLEL = $(foreach nb,$(NBVAL_FIRST),$(filter $(nb),$(NOTEBOOKS))) \
                  $(filter-out $(NBVAL_FIRST) $(NBVAL_ALONE),$(NOTEBOOKS))
 nbval: $(TEST_STAMP) $(KERNEL_CFG) kernels  ## re-run every chapter and compare with its stored outputs
