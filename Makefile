@@ -107,10 +107,9 @@ test-slow: $(TEST_STAMP) kernels  ## the slow tests: browser, JupyterLab, base-i
 # them), so that no long notebook starts last and runs on while a core idles.
 NBVAL_JOBS ?= 2
 NBVAL_ALONE := book/appendix_cpu_kernels.ipynb
-NBVAL_FIRST := chapters/13_fewer_bytes.ipynb chapters/03_continuous_batching.ipynb \
-               chapters/11_engine_to_server.ipynb chapters/08_serving_under_load.ipynb \
-               chapters/12_many_engines.ipynb chapters/09_speculative_decoding.ipynb \
-               chapters/05_chunked_prefill.ipynb book/simulator_validation.ipynb
+NBVAL_FIRST := chapters/09_speculative_decoding.ipynb chapters/03_continuous_batching.ipynb \
+               chapters/12_many_engines.ipynb chapters/08_serving_under_load.ipynb \
+               chapters/05_chunked_prefill.ipynb chapters/13_fewer_bytes.ipynb
 NBVAL_PARALLEL = $(foreach nb,$(NBVAL_FIRST),$(filter $(nb),$(NOTEBOOKS))) \
                  $(filter-out $(NBVAL_FIRST) $(NBVAL_ALONE),$(NOTEBOOKS))
 nbval: $(TEST_STAMP) $(KERNEL_CFG) kernels  ## re-run every chapter and compare with its stored outputs
