@@ -35,7 +35,7 @@ SANITIZE := tests/nbval_sanitize.cfg
 LAB_ROOT := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
 LAB_ARGS ?=
 
-.PHONY: help install install-test book build test unit nbval notebooks lab check-lab gpu-check clean
+.PHONY: help install install-test book build test unit test-slow kernels nbval notebooks lab check-lab gpu-check clean
 .PHONY: test-clients
 .PHONY: site-assets check-site site-check-if-browser
 
@@ -77,29 +77,65 @@ book: build  ## build the website and print where it is
 	@echo
 	@echo "The book is built: open file://$(CURDIR)/_build/html/index.html"
 
-unit: $(TEST_STAMP)  ## unit, property and equivalence tests (pytest tests/)
-	$(PY) -m pytest -q -p no:cacheprovider --durations=10 tests
-
-# One pytest per notebook, so each chapter's name shows as it starts (with its
-# time at the end); every notebook runs even when one fails, and the target
-# fails at the end, naming the ones that failed.
-nbval: $(TEST_STAMP) $(KERNEL_CFG)  ## re-run every chapter and compare with its stored outputs
-	@# the C++ kernels are built (or found cached) first, so no chapter's output carries the build message
+# The C++ kernels compile once per machine (cached in ~/.cache/torch_extensions,
+# minibatch_engine/attention/cpu_kernel.py): here, before the tests and chapters
+# that use them, so the time it takes shows as a part of its own and no chapter's
+# output carries the build message.
+kernels: $(STAMP)  ## compile the C++ CPU kernels (once; later calls find them cached)
 	@$(PY) -c "from minibatch_engine.attention.cpu_kernel import cpu_kernel_or_none; cpu_kernel_or_none()"
-	@failed=""; n=0; total=$(words $(NOTEBOOKS)); \
-	for nb in $(NOTEBOOKS); do \
-	  n=$$((n + 1)); t0=$$(date +%s); \
-	  echo "nbval [$$n/$$total] $$nb"; \
-	  $(PY) -m pytest -q -p no:cacheprovider --nbval --nbval-sanitize-with $(SANITIZE) $$nb \
-	    || failed="$$failed $$nb"; \
-	  echo "nbval [$$n/$$total] $$nb: $$(( $$(date +%s) - t0 )) s"; \
+
+# UNIT_JOBS worker processes (pytest-xdist; 0: none, in pytest's own process),
+# each given whole test files. Most tests run on one core, so two workers keep a
+# two-core machine busy.
+# The tests marked slow (a browser, JupyterLab, the base-install venv, the soak,
+# the real clients guidellm and lm-eval) run apart, in `make test-slow`; `make
+# test` runs both.
+UNIT_JOBS ?= 2
+PYTEST_JOBS = $(PY) -m pytest -q -p no:cacheprovider --durations=10 -n $(UNIT_JOBS) --dist loadfile
+unit: $(TEST_STAMP) kernels  ## unit, property and equivalence tests (pytest -m "not slow", UNIT_JOBS=2 workers)
+	$(PYTEST_JOBS) -m "not slow" tests
+
+test-slow: $(TEST_STAMP) kernels  ## the slow tests: browser, JupyterLab, base-install venv, soak, clients (pytest -m slow)
+	$(PYTEST_JOBS) -m slow tests
+
+# One pytest per notebook (tools/nbval_each.sh), NBVAL_JOBS at a time: each
+# chapter's name shows as it starts and its time as it ends; every notebook runs
+# even when one fails, a table of their times comes at the end, and the target
+# fails naming the ones that failed. NBVAL_ALONE run after the others, one at a
+# time: they time things on the wall clock with threads of their own.
+# NBVAL_FIRST start first, the longest first (as `make nbval`'s table measured
+# them), so that no long notebook starts last and runs on while a core idles.
+NBVAL_JOBS ?= 2
+NBVAL_ALONE := book/appendix_cpu_kernels.ipynb
+NBVAL_FIRST := chapters/09_speculative_decoding.ipynb chapters/03_continuous_batching.ipynb \
+               chapters/12_many_engines.ipynb chapters/08_serving_under_load.ipynb \
+               chapters/05_chunked_prefill.ipynb chapters/13_fewer_bytes.ipynb
+NBVAL_PARALLEL = $(foreach nb,$(NBVAL_FIRST),$(filter $(nb),$(NOTEBOOKS))) \
+                 $(filter-out $(NBVAL_FIRST) $(NBVAL_ALONE),$(NOTEBOOKS))
+nbval: $(TEST_STAMP) $(KERNEL_CFG) kernels  ## re-run every chapter and compare with its stored outputs
+	@sh tools/nbval_each.sh $(NBVAL_JOBS) "$(PY) -m pytest -q -p no:cacheprovider --nbval --nbval-sanitize-with $(SANITIZE)" \
+	  $(filter-out $(NBVAL_ALONE),$(NBVAL_PARALLEL)) -- $(filter $(NBVAL_ALONE),$(NOTEBOOKS))
+
+# `make test` runs its parts in turn, each a make target, and ends with a table
+# of their times (up to the part that failed, when one fails).
+TEST_PARTS := setup=install-test,site-assets,$(KERNEL_CFG) kernels=kernels unit=unit slow-tests=test-slow nbval=nbval \
+              build=build site-check=site-check-if-browser,SITE_BUILT=1
+test:  ## setup, C++ kernels, unit and slow tests, nbval, the -W build, the browser check; then their times
+	@status=0; times=""; start=$$(date +%s); \
+	for part in $(TEST_PARTS); do \
+	  t0=$$(date +%s); \
+	  $(MAKE) --no-print-directory $$(echo "$${part#*=}" | tr , ' ') || status=$$?; \
+	  times="$$times $${part%%=*}=$$(( $$(date +%s) - t0 ))"; \
+	  [ $$status -eq 0 ] || break; \
 	done; \
-	if [ -n "$$failed" ]; then echo "nbval failed:$$failed"; exit 1; fi
+	echo; echo "make test: seconds per part$$([ $$status -eq 0 ] || echo ', up to the one that failed')"; \
+	for t in $$times; do printf '  %-11s %5d\n' "$${t%%=*}" "$${t#*=}"; done; \
+	printf '  %-11s %5d\n' total $$(( $$(date +%s) - start )); \
+	exit $$status
 
-test: unit nbval build site-check-if-browser  ## unit tests, nbval, the -W build, the browser check
-
-# The `clients` extra is installed once (a stamp). Its tests also run in `make
-# unit` once it is there; without it they skip, saying what to install.
+# The `clients` extra is installed once (a stamp). Its tests (marked slow) also
+# run in `make test-slow` once it is there; without it they skip, saying what to
+# install.
 $(CLIENTS_STAMP): $(TEST_STAMP)
 	$(PY) -m pip install -e ".[book,$(TEST_EXTRAS),clients]"
 	touch $(CLIENTS_STAMP)
@@ -108,10 +144,10 @@ CLIENT_TESTS := tests/engine/test_guidellm_client.py tests/engine/test_lm_eval_c
 test-clients: $(CLIENTS_STAMP)  ## guidellm and lm-eval against a live `serve` (the clients extra, ~700 MB; ~3 min)
 	$(PY) -m pytest -q -p no:cacheprovider --durations=5 $(CLIENT_TESTS)
 
-notebooks: $(TEST_STAMP) $(KERNEL_CFG)  ## re-execute every chapter in place (fresh stored outputs)
+notebooks: $(TEST_STAMP) $(KERNEL_CFG) kernels  ## re-execute every chapter in place (fresh stored outputs; MINIBATCH_RECOMPUTE=1 stores the sweeps again)
 	for nb in $(NOTEBOOKS); do \
 	  echo "executing $$nb"; \
-	  $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace \
+	  MINIBATCH_RECOMPUTE=1 $(VENV)/bin/jupyter nbconvert --to notebook --execute --inplace \
 	    --ExecutePreprocessor.record_timing=False --ExecutePreprocessor.timeout=1200 $$nb || exit 1; \
 	done
 
@@ -160,7 +196,8 @@ check-site: build $(TEST_STAMP)  ## build, then open every page in headless Chro
 	CHROMIUM=$(CHROMIUM) $(PY) tools/check_site.py _build/html
 
 # `make test` runs the browser check where a browser is installed (.ci/run installs one).
-site-check-if-browser: build $(TEST_STAMP)  ## check-site when the browser (CHROMIUM) exists, else say it was skipped
+# SITE_BUILT=1 (make test, after its build part): check the site as built, no build first.
+site-check-if-browser: $(if $(SITE_BUILT),,build) $(TEST_STAMP)  ## check-site when the browser (CHROMIUM) exists, else say it was skipped
 	@if [ -x $(CHROMIUM) ]; then \
 	  CHROMIUM=$(CHROMIUM) $(PY) tools/check_site.py _build/html; \
 	else \

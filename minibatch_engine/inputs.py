@@ -38,7 +38,10 @@ def as_token_ids(prompt, where: str = "prompt") -> list[int]:
         prompt = list(prompt)
     if not isinstance(prompt, (list, tuple)):
         raise TypeError(f"{where}: expected a list of token ids, got {type(prompt).__name__}")
-    ids = [as_token_id(t, where) for t in prompt]
+    if all(type(t) is int for t in prompt):     # plain ints (not bools): nothing to convert
+        ids = list(prompt)
+    else:
+        ids = [as_token_id(t, where) for t in prompt]
     if not ids:
         raise ValueError(f"{where}: a prompt needs at least one token")
     return ids

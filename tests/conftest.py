@@ -1,11 +1,19 @@
 """Fixtures and helpers every test folder shares: ``tests/engine/`` (the
 engine) and ``tests/repo/`` (the book, the site, the repository's files)."""
+import os
+
 import pytest
 import torch
 
-from minibatch_engine import Engine, EngineConfig
-from minibatch_engine.kv import PagedKVCache
-from minibatch_engine.model import build_model
+# `make unit` runs the tests in two worker processes (pytest-xdist, UNIT_JOBS):
+# one thread each, set before the engine reads PyTorch's default, so that two
+# workers on two cores never wait for each other's threads at a barrier.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
+
+from minibatch_engine import Engine, EngineConfig  # noqa: E402
+from minibatch_engine.kv import PagedKVCache  # noqa: E402
+from minibatch_engine.model import build_model  # noqa: E402
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 SIM = dict(sim_gpu="H100-SXM", sim_model="llama-3-8b")     # Llama-3-8B on a simulated H100

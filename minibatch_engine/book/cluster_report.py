@@ -74,35 +74,45 @@ def _row(w, design, rate, timings, slos, **extra):
     return row
 
 
-def pd_sweep(rates: Mapping[str, Sequence[float]], num_requests: int = 120, workloads=PD_WORKLOADS,
-             slos=SLO_PAIRS, designs: Mapping[str, Sequence[str]] | None = None, progress: bool = True,
-             **sim) -> list[dict]:
-    """Every (workload, rate, design): p90 TTFT and TPOT, busy shares, and for
-    each SLO pair the steady-state attainment and goodput (chapter 8's keys).
-    ``designs``: per workload (default :data:`DESIGNS`). A disaggregated run
-    counts TTFT when the decode side emits the first token
-    (:func:`decode_side_timings`), as deployed P/D systems stream it; its
+def pd_jobs(rates: Mapping[str, Sequence[float]], designs: Mapping[str, Sequence[str]] | None = None,
+            workloads=PD_WORKLOADS) -> list[tuple[str, float, str]]:
+    """Every (workload, rate, design) of a P/D sweep (``designs``: per workload,
+    default :data:`DESIGNS`)."""
+    designs = designs or {w: DESIGNS for w in workloads}
+    return [(w, r, d) for w in workloads for r in rates[w] for d in designs[w]]
+
+
+def pd_rows(job: tuple[str, float, str], num_requests: int = 120, workloads=PD_WORKLOADS,
+            slos=SLO_PAIRS, **sim) -> list[dict]:
+    """One (workload, rate, design) of the sweep: p90 TTFT and TPOT, busy shares,
+    and for each SLO pair the steady-state attainment and goodput (chapter 8's
+    keys). A disaggregated run counts TTFT when the decode side emits the first
+    token (:func:`decode_side_timings`), as deployed P/D systems stream it; its
     ``gap_ms`` lists each request's gap between the prefill side's first token
     and the decode side's second. It gives a second row, :data:`ALT`: the same
     run with TTFT ended at the prefill replica, the papers' convention."""
-    designs = designs or {w: DESIGNS for w in workloads}
-    jobs = [(w, r, d) for w in workloads for r in rates[w] for d in designs[w]]
-    rows = []
-    for w, rate, design in tqdm(jobs, desc="P/D sweep", disable=not progress):
-        s, cluster = pd_run(design, workloads[w], rate, num_requests, **sim)
-        busy = {}
-        for r in s["per_replica"]:
-            busy.setdefault(r.get("pool", "all"), []).append(r["busy_s"] / s["duration_s"])
-        extra = {"busy": {k: sum(v) / len(v) for k, v in busy.items()},
-                 "kv_transfer_ms_mean": s.get("kv_transfer_ms_mean")}
-        if design != "disaggregated":
-            rows.append(_row(w, design, rate, cluster.timings, slos, **extra))
-            continue
-        gaps = [1e3 * (t.token_times[1] - t.token_times[0]) for t in cluster.timings
-                if len(t.token_times) > 1]
-        rows.append(_row(w, design, rate, decode_side_timings(cluster.timings), slos, gap_ms=gaps, **extra))
-        rows.append(_row(w, ALT, rate, cluster.timings, slos, **extra))
-    return rows
+    w, rate, design = job
+    s, cluster = pd_run(design, workloads[w], rate, num_requests, **sim)
+    busy = {}
+    for r in s["per_replica"]:
+        busy.setdefault(r.get("pool", "all"), []).append(r["busy_s"] / s["duration_s"])
+    extra = {"busy": {k: sum(v) / len(v) for k, v in busy.items()},
+             "kv_transfer_ms_mean": s.get("kv_transfer_ms_mean")}
+    if design != "disaggregated":
+        return [_row(w, design, rate, cluster.timings, slos, **extra)]
+    gaps = [1e3 * (t.token_times[1] - t.token_times[0]) for t in cluster.timings
+            if len(t.token_times) > 1]
+    return [_row(w, design, rate, decode_side_timings(cluster.timings), slos, gap_ms=gaps, **extra),
+            _row(w, ALT, rate, cluster.timings, slos, **extra)]
+
+
+def pd_sweep(rates: Mapping[str, Sequence[float]], num_requests: int = 120, workloads=PD_WORKLOADS,
+             slos=SLO_PAIRS, designs: Mapping[str, Sequence[str]] | None = None, progress: bool = True,
+             **sim) -> list[dict]:
+    """The rows of every (workload, rate, design) (:func:`pd_jobs`, :func:`pd_rows`)."""
+    jobs = pd_jobs(rates, designs, workloads)
+    return [row for job in tqdm(jobs, desc="P/D sweep", disable=not progress)
+            for row in pd_rows(job, num_requests, workloads, slos, **sim)]
 
 
 def select(rows, workload: str, design: str) -> list[dict]:

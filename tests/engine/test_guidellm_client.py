@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow          # make test-slow
 pytest.importorskip("aiohttp")
 pytest.importorskip("prometheus_client")
 GUIDELLM = shutil.which("guidellm") or str(Path(sys.executable).with_name("guidellm"))

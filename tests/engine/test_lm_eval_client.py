@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow          # make test-slow (and make test-clients)
 pytest.importorskip("aiohttp")
 pytest.importorskip("prometheus_client")
 pytest.importorskip("lm_eval", reason="lm-eval is not installed (the clients extra: make test-clients)")

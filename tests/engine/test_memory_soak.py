@@ -26,6 +26,7 @@ def rss_mib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+@pytest.mark.slow                       # make test-slow: up to BUDGET_S of waves
 @pytest.mark.skipif(not os.path.exists("/proc/self/statm") or not ctypes.util.find_library("c"),
                     reason="needs Linux's /proc and glibc")
 def test_a_long_run_levels_off(tiny32):

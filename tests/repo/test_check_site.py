@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
 
 pytestmark = [
+    pytest.mark.slow,                   # make test-slow: a browser
     pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"no browser at {CHROMIUM}"),
 ]
 

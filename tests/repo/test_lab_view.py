@@ -106,6 +106,7 @@ def test_chapter_two_in_jupyterlab():
     assert "dropdowns" in proc.stdout and " ok" in proc.stdout, proc.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path(CHROMIUM).exists(), reason=f"no browser at {CHROMIUM}")
 def test_lab_with_the_venvs_settings_shows_no_news_pop_up(tmp_path: Path):
     """`make lab` installs tools/jupyterlab_overrides.json as the venv's

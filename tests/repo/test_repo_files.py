@@ -76,15 +76,65 @@ def test_make_install_uses_torch_index(tmp_path: Path):
 @needs_make
 def test_make_nbval_names_each_notebook_and_fails_at_the_end(fake_venv: Path, tmp_path: Path):
     fake = tmp_path / "fakepy"
-    fake.write_text('#!/bin/sh\necho "ran $*"\ncase "$*" in *bad*) exit 1;; esac\n')
+    fake.write_text('#!/bin/sh\necho "ran $*"\ncase "$*" in *bad*) echo "its traceback"; exit 1;; esac\n')
     fake.chmod(0o755)
-    out = make("-s", f"VENV={fake_venv}", f"PY={fake}", "NOTEBOOKS=x/a.ipynb x/bad.ipynb x/c.ipynb", "nbval")
+    (fake_venv / "bin").mkdir()
+    (fake_venv / "bin" / "python").symlink_to(fake)          # the kernels part runs it too
+    nbs = "x/a.ipynb x/bad.ipynb x/c.ipynb book/appendix_cpu_kernels.ipynb"
+    out = make("-s", f"VENV={fake_venv}", f"PY={fake}", f"NOTEBOOKS={nbs}", "nbval")
     assert out.returncode != 0
     lines = out.stdout.splitlines()
-    for i, nb in enumerate(["x/a.ipynb", "x/bad.ipynb", "x/c.ipynb"], 1):
-        assert f"nbval [{i}/3] {nb}" in lines
-    assert sum("--nbval" in ln for ln in lines) == 3, "one pytest per notebook, all of them run"
-    assert "nbval failed: x/bad.ipynb" in lines
+    for i, nb in enumerate(nbs.split(), 1):
+        assert f"nbval [{i}/4] {nb}" in lines                   # each name as it starts
+        assert any(ln.startswith(f"nbval [{i}/4] {nb}: ") and " s, " in ln for ln in lines)   # its time
+    ran = [ln for ln in lines if "--nbval" in ln]                # one pytest per notebook:
+    assert sorted(ln.split()[-1] for ln in ran) == sorted(nbs.split())
+    assert [ln for ln in ran if ln.startswith("ran ")] == [ran[-1]], "only a failed log is shown whole"
+    table = lines[lines.index(next(ln for ln in lines if ln.startswith("nbval: seconds per notebook"))):]
+    assert "then alone: book/appendix_cpu_kernels.ipynb" in table[0]
+    assert sum(ln.strip().endswith(".ipynb") for ln in table) >= 4
+    # the appendix (wall-clock timings) starts after every other notebook has ended
+    alone = lines.index("nbval [4/4] book/appendix_cpu_kernels.ipynb")
+    assert all(lines.index(next(ln for ln in lines if ln.startswith(f"nbval [{i}/4] {nb}: "))) < alone
+               for i, nb in enumerate(nbs.split()[:3], 1))
+    assert "its traceback" in lines, "a failed notebook's output is shown"
+    assert lines[-1] == "nbval failed: x/bad.ipynb"
+
+
+@needs_make
+def test_make_nbval_starts_the_longest_notebooks_first(fake_venv: Path):
+    """NBVAL_FIRST, in its order, before the others (in NOTEBOOKS' order); the
+    ones run alone after the separator."""
+    first = ["chapters/03_continuous_batching.ipynb", "chapters/12_many_engines.ipynb"]
+    out = make("-n", f"VENV={fake_venv}", f"NBVAL_FIRST={' '.join(first)}",
+               f"NOTEBOOKS=x/a.ipynb {first[1]} book/appendix_cpu_kernels.ipynb x/b.ipynb {first[0]}", "nbval")
+    assert out.returncode == 0, out.stderr
+    line = out.stdout.replace("\\\n", " ").splitlines()[-1]      # the recipe, its lines joined
+    notebooks = line.split('" ')[-1].split()
+    assert notebooks == [*first, "x/a.ipynb", "x/b.ipynb", "--", "book/appendix_cpu_kernels.ipynb"]
+
+
+@needs_make
+def test_make_test_runs_its_parts_in_turn_and_prints_their_times(tmp_path: Path):
+    """The parts as TEST_PARTS lists them, a table of seconds after the last, and
+    the table up to the part that failed when one fails."""
+    (tmp_path / "Makefile").write_text(
+        f"include {ROOT / 'Makefile'}\n"
+        "a:\n\t@echo ran a\nb:\n\t@echo ran b\nc:\n\t@echo ran c\n\t@test -z '$(FAIL)'\nd:\n\t@echo ran d\n")
+    parts = "TEST_PARTS=first=a second=b,c third=d"
+    out = make("-s", parts, "test", cwd=tmp_path)
+    assert out.returncode == 0, out.stdout + out.stderr
+    lines = out.stdout.splitlines()
+    assert [ln for ln in lines if ln.startswith("ran ")] == ["ran a", "ran b", "ran c", "ran d"]
+    i = lines.index("make test: seconds per part")
+    assert [ln.split()[0] for ln in lines[i + 1:]] == ["first", "second", "third", "total"]
+    assert all(ln.split()[1].isdigit() for ln in lines[i + 1:])
+    out = make("-s", parts, "FAIL=1", "test", cwd=tmp_path)
+    assert out.returncode != 0
+    lines = out.stdout.splitlines()
+    assert "ran d" not in lines
+    i = lines.index("make test: seconds per part, up to the one that failed")
+    assert [ln.split()[0] for ln in lines[i + 1:]] == ["first", "second", "total"]
 
 
 # --- workflows ----------------------------------------------------------------
