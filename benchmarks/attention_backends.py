@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from minibatch_engine.attention import get_attention_backend
-from minibatch_engine.bench import cpu_name
+from minibatch_engine.harness.bench import cpu_name
 from minibatch_engine.attention.cpu_kernel import cpu_kernel_available
 from minibatch_engine.attention.sdpa import SdpaBackend
 from minibatch_engine.kv.pool import KVPool

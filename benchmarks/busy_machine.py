@@ -8,7 +8,7 @@ would), and in each it times, on the same weights and workload (the tiny Llama
 shape, 64 requests of the ``uniform`` workload, at most 64 running):
 
 * the engine as configured by default (``cpu_threads="auto"``: the cores that
-  are free when it starts, :mod:`minibatch_engine.cpu_threads`);
+  are free when it starts, :mod:`minibatch_engine.runner.cpu_threads`);
 * the engine with PyTorch's default threads, one per core (what it did before
   ``cpu_threads``);
 * transformers' continuous batching (``generate_batch``), as a user runs it
@@ -30,12 +30,12 @@ from pathlib import Path
 
 import torch
 
-from minibatch_engine.bench import cpu_name, warmup
-from minibatch_engine.cpu_threads import DEFAULT_NUM_THREADS
+from minibatch_engine.harness.bench import cpu_name, warmup
+from minibatch_engine.runner.cpu_threads import DEFAULT_NUM_THREADS
 from minibatch_engine.model.hf_export import save_hf_checkpoint
 from minibatch_engine.model.registry import resolve_model
-from minibatch_engine.vs_transformers import _require_transformers, engine_for, run_hf_continuous
-from minibatch_engine.workload import make_workload
+from minibatch_engine.harness.vs_transformers import _require_transformers, engine_for, run_hf_continuous
+from minibatch_engine.harness.workload import make_workload
 
 SYSTEMS = ("engine (auto threads)", "engine (one thread per core)", "transformers continuous batching")
 

@@ -8,7 +8,7 @@ stream count and a deadline:
     python benchmarks/server_memory.py [STREAMS=4000] [CONCURRENCY=50] [DEADLINE_S=400]
 
 Run it with and without MALLOC_ARENA_MAX=8 in the environment to see what the
-server's arena cap (minibatch_engine/server/memory.py) does; book/how_to_run.md
+server's arena cap (minibatch_engine/entrypoints/server/memory.py) does; book/how_to_run.md
 has the numbers.
 """
 import asyncio

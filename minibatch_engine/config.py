@@ -75,7 +75,7 @@ class EngineConfig:
         the default), ``"priority"`` (lower ``priority`` first, preempting a
         running request of strictly worse priority for a waiting one; a
         request's ``priority`` is a 32-bit signed integer, see
-        :func:`~minibatch_engine.request.check_priority`) or
+        :func:`~minibatch_engine.core.request.check_priority`) or
         ``"fair"`` (the Virtual Token Counter between clients, ``client_id``, with
         optional ``client_weights``: client -> weight > 0).
     priority_aging_s: priority policy only: a request gains one priority level
@@ -95,7 +95,7 @@ class EngineConfig:
         kernels share): ``"auto"`` (default) takes the cores that are free when
         the engine starts, measured from ``/proc/stat``, so a busy machine does not
         leave threads spinning at barriers for cores another process holds
-        (:mod:`minibatch_engine.cpu_threads`); a number sets it. It sets
+        (:mod:`minibatch_engine.runner.cpu_threads`); a number sets it. It sets
         ``torch.set_num_threads`` for the whole process.
     sim_gpu, sim_model: with a GPU name, every step is also timed by the
         simulator's cost model of ``sim_model`` (a preset name, or the engine's

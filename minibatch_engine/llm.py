@@ -7,14 +7,14 @@ from typing import Sequence
 from tqdm.auto import tqdm
 
 from .config import EngineConfig
-from .engine import Engine
-from .inputs import as_prompt_list, check_arrival_time, encode_text
-from .metrics import RequestMetrics, request_metrics
-from .request import check_priority
-from .sampling import SamplingParams
-from .logits_process import with_bad_words
-from .logprobs import as_dicts
-from .stop_strings import cut_at, min_tokens_text, tokens_within
+from .core.engine import Engine
+from .core.inputs import as_prompt_list, check_arrival_time, encode_text
+from .harness.metrics import RequestMetrics, request_metrics
+from .core.request import check_priority
+from .sampling.params import SamplingParams
+from .sampling.logits_process import with_bad_words
+from .sampling.logprobs import as_dicts
+from .core.stop_strings import cut_at, min_tokens_text, tokens_within
 
 
 @dataclass
@@ -139,7 +139,7 @@ class LLM:
 
 
 def completion(index: int, req, decode) -> CompletionOutput:
-    """A finished :class:`~minibatch_engine.request.Request` as a :class:`CompletionOutput`,
+    """A finished :class:`~minibatch_engine.core.request.Request` as a :class:`CompletionOutput`,
     cut at its first stop string (``SamplingParams.stop``), as vLLM cuts it."""
     ids, text = list(req.output_token_ids), None if decode is None else decode(req.output_token_ids)
     reason = None if req.finish_reason is None else str(req.finish_reason)

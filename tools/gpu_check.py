@@ -116,8 +116,8 @@ def cuda_tests() -> dict:
 def decode_engine(model, batch: int, graphs: bool, **sim):
     """The engine and requests of one decode measurement (``model=None`` and
     ``sim``: the same schedule on the simulator, for the unit tests)."""
-    from minibatch_engine.engine import Engine
-    from minibatch_engine.sampling import SamplingParams
+    from minibatch_engine.core.engine import Engine
+    from minibatch_engine.sampling.params import SamplingParams
     eng = Engine(model, max_num_seqs=batch, max_model_len=CONTEXT + DECODE_STEPS + 16,
                  attention_backend="triton", cuda_graphs=graphs,
                  max_num_batched_tokens=max(2048, CONTEXT * min(batch, 16)), **sim)
@@ -158,8 +158,8 @@ def prefill_engine(model, **sim):
     """The engine and requests of one prefill measurement: PREFILL's prompts, all
     in the first step. No watermark: the pool holds exactly the prompts (and a
     little), and a watermark of 1% of it would hold one prompt back."""
-    from minibatch_engine.engine import Engine
-    from minibatch_engine.sampling import SamplingParams
+    from minibatch_engine.core.engine import Engine
+    from minibatch_engine.sampling.params import SamplingParams
     n, L = PREFILL
     eng = Engine(model, max_num_seqs=n, max_model_len=L + 8, attention_backend="triton", watermark=0.0,
                  max_num_batched_tokens=n * L, enable_prefix_caching=False, **sim)

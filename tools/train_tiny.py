@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from minibatch_engine.attention import AttentionMetadata
-from minibatch_engine.bench import cpu_name
+from minibatch_engine.harness.bench import cpu_name
 from minibatch_engine.model.config import BOS_ID, EOS_ID, PAD_ID, TINY, ModelConfig
 from minibatch_engine.model.hf_export import hf_state_dict
 from minibatch_engine.model.reference import reference_generate

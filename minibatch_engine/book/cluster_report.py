@@ -8,9 +8,9 @@ from tqdm.auto import tqdm
 
 from ..cluster import simulate_cluster
 from ..cluster.disagg import simulate_disaggregated
-from ..metrics import RequestTiming
-from ..sweep import distserve_goodput, steady_metrics
-from ..workload import Uniform, WorkloadSpec
+from ..harness.metrics import RequestTiming
+from ..harness.sweep import distserve_goodput, steady_metrics
+from ..harness.workload import Uniform, WorkloadSpec
 from . import plotting
 from .report import Table
 

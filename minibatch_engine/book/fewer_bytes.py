@@ -23,11 +23,11 @@ from typing import Mapping, Sequence
 
 import torch
 
-from ..bench import run_bench
-from ..engine import Engine
+from ..harness.bench import run_bench
+from ..core.engine import Engine
 from ..model.kv_quant_accuracy import greedy_tokens
 from ..model.reference import full_forward_logits
-from ..sampling import SamplingParams
+from ..sampling.params import SamplingParams
 from ..sim import CostModel, get_gpu
 from ..sim.precision import weight_bytes
 

@@ -17,9 +17,9 @@ from typing import Sequence
 
 import torch
 
-from ..engine import Engine
-from ..sampling import SamplingParams
-from ..structured_output import StructuredOutputManager, StructuredOutputsParams, apply_bitmask, unpack_bitmask
+from ..core.engine import Engine
+from ..sampling.params import SamplingParams
+from ..sampling.structured_output import StructuredOutputManager, StructuredOutputsParams, apply_bitmask, unpack_bitmask
 
 
 def masks_along(tokenizer, vocab_size: int, grammar: StructuredOutputsParams, text: str,

@@ -8,7 +8,7 @@ the clock measures (throughput, p99 TPOT: wall-clock, for display).
 """
 from __future__ import annotations
 
-from ..bench import run_bench
+from ..harness.bench import run_bench
 
 DETERMINISTIC = ("kv_cache_dtype", "kv_bytes_per_token", "kv_blocks", "peak_running", "preemptions",
                  "recomputed_tokens", "steps", "output_tokens")

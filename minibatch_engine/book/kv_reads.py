@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..profiling import timed_attention
+from ..harness.profiling import timed_attention
 
 
 def kv_bytes_per_token(config, dtype_bytes: int = 4) -> int:

@@ -1,5 +1,5 @@
 """Tables and glue for load sweeps (chapter 8): the rows of
-:func:`minibatch_engine.sweep.sweep`, one per rate, for one or more engines."""
+:func:`minibatch_engine.harness.sweep.sweep`, one per rate, for one or more engines."""
 from __future__ import annotations
 
 from typing import Mapping, Sequence

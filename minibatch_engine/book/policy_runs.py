@@ -1,10 +1,10 @@
 """Workloads run under a scheduling policy on the simulated GPU, and what each
 class or client of requests received (chapter 7).
 
-* :func:`simulate` runs :class:`~minibatch_engine.workload.RequestSpec` s through
+* :func:`simulate` runs :class:`~minibatch_engine.harness.workload.RequestSpec` s through
   an engine with no model (the simulator's clock), optionally up to a horizon;
 * :func:`by_group` summarises a run per class or client
-  (:func:`minibatch_engine.bench.group_summary`), :func:`class_table` turns
+  (:func:`minibatch_engine.harness.bench.group_summary`), :func:`class_table` turns
   several runs' summaries into one table;
 * :func:`service_curves` and :func:`backlogged_gap` measure service as the
   Virtual Token Counter counts it (Sheng et al., OSDI'24): ``w_p`` per prompt
@@ -16,10 +16,10 @@ from typing import Callable, Mapping, Sequence
 
 import numpy as np
 
-from ..bench import group_summary
+from ..harness.bench import group_summary
 from ..config import EngineConfig
-from ..engine import Engine
-from ..workload import slo_of
+from ..core.engine import Engine
+from ..harness.workload import slo_of
 from .report import Table
 
 SIM = dict(sim_gpu="H100-SXM", sim_model="llama-3-8b")   # Llama-3-8B on a simulated H100

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from tqdm.auto import tqdm
 
-from ..metrics import DEFAULT_PERCENTILES, parse_goodput, parse_percentiles, timings_from_trace
-from ..workload import make_workload
+from ..harness.metrics import DEFAULT_PERCENTILES, parse_goodput, parse_percentiles, timings_from_trace
+from ..harness.workload import make_workload
 from .replicas import Cluster, sim_engines
 from .router import make_router
 from .summary import replica_summary, totals

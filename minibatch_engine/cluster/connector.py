@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from ..engine import Engine
+from ..core.engine import Engine
 from ..scheduler.continuous import ContinuousScheduler
 
 

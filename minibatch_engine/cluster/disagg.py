@@ -21,9 +21,9 @@ from __future__ import annotations
 
 from tqdm.auto import tqdm
 
-from ..metrics import DEFAULT_PERCENTILES, RequestTiming, parse_goodput, parse_percentiles
-from ..sampling import SamplingParams
-from ..workload import make_workload
+from ..harness.metrics import DEFAULT_PERCENTILES, RequestTiming, parse_goodput, parse_percentiles
+from ..sampling.params import SamplingParams
+from ..harness.workload import make_workload
 from .connector import KVReceivingEngine
 from .link import LinkQueue, get_link
 from .replicas import Cluster, Replica, sim_engines

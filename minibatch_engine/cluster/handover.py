@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..sampling import SamplingParams
+from ..sampling.params import SamplingParams
 
 END = None          # sent down a pipe: no more requests
 
@@ -41,7 +41,7 @@ def leaks(engine) -> dict:
 
 def prefill_worker(model: str, inbox, outbox, options: dict) -> None:
     """Process 1: prompts in, (id, prompt, first token, K/V bytes) out."""
-    from ..engine import Engine
+    from ..core.engine import Engine
     from .connector import KVSavingRunner
     torch.set_num_threads(1)
     engine = _engine(Engine, model, **options)

@@ -22,9 +22,9 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-from ..engine import Engine
-from ..request import Request
-from ..sampling import SamplingParams
+from ..core.engine import Engine
+from ..core.request import Request
+from ..sampling.params import SamplingParams
 from .prefix_index import PrefixIndex, block_hashes
 from .router import ReplicaState, RouterPolicy
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from ..metrics import RequestTiming, serving_metrics, timings_from_trace
-from ..sweep import steady_metrics
+from ..harness.metrics import RequestTiming, serving_metrics, timings_from_trace
+from ..harness.sweep import steady_metrics
 from .replicas import Replica
 
 REPLICA_KEYS = ("ttft_ms_mean", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_mean", "tpot_ms_p99")

@@ -5,7 +5,7 @@ physical pool each request owns, and how many bytes that is. It holds no
 tensor. The pool itself (:class:`~.pool.KVPool`) belongs to the model runner,
 which writes it in the forward pass and carries out the block copies the
 manager decides (copy-on-write of a shared block, swaps to and from host
-memory): the manager queues them as :class:`~minibatch_engine.outputs.BlockCopy`
+memory): the manager queues them as :class:`~minibatch_engine.core.outputs.BlockCopy`
 instructions, and the scheduler hands them over in the step's
 ``SchedulerOutput`` (:meth:`take_block_copies`). A manager knows request ids
 and token ids, never a ``Request``.
@@ -29,7 +29,7 @@ from typing import Sequence
 
 import torch
 
-from ..outputs import BlockCopy
+from ..core.outputs import BlockCopy
 from .quant import kv_bytes_per_token
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..checks import check_bool, check_choice, check_int, check_number
+from ..core.checks import check_bool, check_choice, check_int, check_number
 from .quant import KV_CACHE_DTYPES
 
 KV_LAYOUTS = ("paged", "reserved")        # and "auto": paged, or reserved for static batching

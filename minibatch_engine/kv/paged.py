@@ -14,7 +14,7 @@ from typing import Sequence
 
 import torch
 
-from ..outputs import BlockCopy
+from ..core.outputs import BlockCopy
 from .block_manager import BlockManager
 from .base import NO_PREFIX, CachedPrefix, KVCacheManager
 

@@ -149,7 +149,7 @@ class KVPool:
 
 
 def carry_out(copies, pool: KVPool, host=None) -> None:
-    """Carry out a step's block copies (:class:`~minibatch_engine.outputs.BlockCopy`)
+    """Carry out a step's block copies (:class:`~minibatch_engine.core.outputs.BlockCopy`)
     in the scheduler's order: ``"copy"`` within ``pool``, ``"swap_out"`` and
     ``"swap_in"`` between ``pool`` and the host pool ``host``. Each run of copies
     of one kind is one batched copy (a run ends early where a copy would read a

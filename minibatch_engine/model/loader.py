@@ -28,7 +28,7 @@ from typing import Callable
 
 import torch
 
-from ..device import resolve_device, resolve_dtype
+from ..core.device import resolve_device, resolve_dtype
 from .config import ModelConfig
 from .transformer import Transformer
 

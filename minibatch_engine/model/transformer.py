@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import BatchMetadata
-from ..device import resolve_device, resolve_dtype
-from ..inputs import check_seed
+from ..core.device import resolve_device, resolve_dtype
+from ..core.inputs import check_seed
 from . import fused
 from .config import ModelConfig, get_preset
 

@@ -1,15 +1,15 @@
 """The model-runner interface: run one SchedulerOutput, return the sampled tokens.
 
 A runner owns tensors and sampling state and never sees a request: it reads
-the step's plain-data :class:`~minibatch_engine.outputs.SchedulerOutput` and
-returns a :class:`~minibatch_engine.outputs.RunnerOutput`; the scheduler
+the step's plain-data :class:`~minibatch_engine.core.outputs.SchedulerOutput` and
+returns a :class:`~minibatch_engine.core.outputs.RunnerOutput`; the scheduler
 applies it.
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from ..outputs import RunnerOutput, SchedulerOutput
+from ..core.outputs import RunnerOutput, SchedulerOutput
 
 
 class Runner(ABC):

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..attention.registry import BACKENDS
-from ..checks import check_bool, check_choice, check_int
+from ..core.checks import check_bool, check_choice, check_int
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 The runner keeps one :class:`CachedRequestState` per running request (vLLM
 V1's ``InputBatch`` and ``CachedRequestState``). It holds the request's token
 ids, ``num_computed_tokens``, block-table row and sampling parameters. Each
-step's :class:`~minibatch_engine.outputs.SchedulerOutput` updates it in place
+step's :class:`~minibatch_engine.core.outputs.SchedulerOutput` updates it in place
 (:meth:`InputBatch.update`):
 
 - a request that ended or was preempted since the last step leaves;
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..outputs import SchedulerOutput
+from ..core.outputs import SchedulerOutput
 
 
 @dataclass(slots=True)

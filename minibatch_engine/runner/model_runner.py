@@ -46,17 +46,17 @@ import torch
 from ..attention import get_attention_backend
 from ..attention.metadata import long_tensor
 from ..model.config import PAD_ID
-from ..logits_process import apply_logits_processors, needs_history, needs_processing
-from ..logprobs import token_logprobs, wide
-from ..sampling import sample, sampling_probs
-from ..outputs import RunnerOutput, SchedulerOutput
+from ..sampling.logits_process import apply_logits_processors, needs_history, needs_processing
+from ..sampling.logprobs import token_logprobs, wide
+from ..sampling.sampler import sample, sampling_probs
+from ..core.outputs import RunnerOutput, SchedulerOutput
 from ..speculative.proposer import Proposer
 from ..speculative.verify import rejection_sample, verify_greedy
-from ..structured_output import apply_bitmask
+from ..sampling.structured_output import apply_bitmask
 from ..kv.pool import carry_out
 from .base import Runner
 from .input_batch import InputBatch
-from ..cpu_threads import set_cpu_threads
+from .cpu_threads import set_cpu_threads
 from .prepack import prepack_linear_weights
 
 
@@ -278,7 +278,7 @@ class ModelRunner(Runner):
                 batch.append_sampled(s.request_id, sampled[s.request_id])
 
     def _prompt_logprobs(self, s, logits: torch.Tensor, out: RunnerOutput) -> None:
-        """Prompt log-probabilities this chunk settles (:mod:`minibatch_engine.logprobs`):
+        """Prompt log-probabilities this chunk settles (:mod:`minibatch_engine.sampling.logprobs`):
         the row of position p scores the token at p + 1; the chunk's last row
         waits for the next chunk's first token, unless the prompt ends here."""
         P, known = s.num_prompt_tokens, s.token_ids

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import random
 
-from ..outputs import RunnerOutput, SchedulerOutput
+from ..core.outputs import RunnerOutput, SchedulerOutput
 from ..speculative.proposer import Proposer
 from .base import Runner
 

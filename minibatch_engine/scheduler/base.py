@@ -2,7 +2,7 @@
 
 Every step the engine calls, in this order:
 
-1. :meth:`Scheduler.schedule` -> :class:`~minibatch_engine.outputs.SchedulerOutput`:
+1. :meth:`Scheduler.schedule` -> :class:`~minibatch_engine.core.outputs.SchedulerOutput`:
    who runs, how many tokens each computes, and what the runner needs to
    compute them (plain data: token ids, positions, block tables);
 2. the model runner executes it and returns the sampled tokens (and, with
@@ -10,7 +10,7 @@ Every step the engine calls, in this order:
 3. :meth:`Scheduler.update_from_output`: the scheduler advances
    ``num_computed_tokens``, tells the KV manager which tokens now have K/V,
    appends the sampled tokens (a constrained sequence's grammar matcher
-   accepts each, :mod:`~minibatch_engine.structured_output`), forks parallel
+   accepts each, :mod:`~minibatch_engine.sampling.structured_output`), forks parallel
    samples, finishes requests
    (freeing their memory) and stores the guesses on those that go on. vLLM's ``update_from_output`` and nano-vllm's
    ``postprocess`` do the same job.
@@ -25,8 +25,8 @@ from abc import ABC, abstractmethod
 from dataclasses import replace
 from typing import Iterable
 
-from ..outputs import Fork, RunnerOutput, SchedulerOutput
-from ..request import FinishReason, Request, RequestStatus
+from ..core.outputs import Fork, RunnerOutput, SchedulerOutput
+from ..core.request import FinishReason, Request, RequestStatus
 
 # Sample k of an n > 1 request is "<parent id>#<k>"; the engine keeps user ids out of this form.
 SAMPLE_ID = re.compile(r".*#\d+", re.DOTALL)

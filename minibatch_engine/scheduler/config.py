@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..checks import check_bool, check_choice, check_int, check_number
+from ..core.checks import check_bool, check_choice, check_int, check_number
 from .policy import POLICIES
 from .preemption import PREEMPTION_MODES, VICTIMS
 

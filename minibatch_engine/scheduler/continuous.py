@@ -34,8 +34,8 @@ from collections import deque
 from dataclasses import replace
 
 from ..kv.base import NO_PREFIX
-from ..request import Request, RequestStatus
-from ..outputs import ScheduledRequest, SchedulerOutput
+from ..core.request import Request, RequestStatus
+from ..core.outputs import ScheduledRequest, SchedulerOutput
 from .config import check_token_budget
 from .base import Scheduler
 from .policy import FCFSPolicy, SchedulingPolicy

@@ -42,7 +42,7 @@ requests must give KV memory (or a place in the batch) back. Three policies:
   over any interval, with ``U = max(w_p * L_input, w_q * M)``, ``L_input`` the
   longest prompt and ``M`` the most tokens the running batch holds.
 
-A policy sees :class:`~minibatch_engine.request.Request` objects only through
+A policy sees :class:`~minibatch_engine.core.request.Request` objects only through
 their ``priority``, ``client_id``, arrival and token counts; the scheduler calls
 its hooks and keeps the queues.
 """
@@ -51,7 +51,7 @@ from __future__ import annotations
 import itertools
 from typing import Callable, Sequence
 
-from ..request import Request
+from ..core.request import Request
 
 
 class SchedulingPolicy:

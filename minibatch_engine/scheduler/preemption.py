@@ -18,8 +18,8 @@ Either way the request's tokens are exactly those of a run with no preemption.
 """
 from __future__ import annotations
 
-from ..request import Request, RequestStatus
-from ..outputs import Preemption, SwapIn
+from ..core.request import Request, RequestStatus
+from ..core.outputs import Preemption, SwapIn
 
 PREEMPTION_MODES = ("recompute", "swap")
 VICTIMS = ("latest", "most_blocks")

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections import deque
 
-from ..request import Request, RequestStatus
-from ..outputs import PaddingWork, ScheduledRequest, SchedulerOutput
+from ..core.request import Request, RequestStatus
+from ..core.outputs import PaddingWork, ScheduledRequest, SchedulerOutput
 from .base import Scheduler
 
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..checks import check_choice, check_int, check_number
+from ..core.checks import check_choice, check_int, check_number
 from ..model.config import ModelConfig, get_preset
 from .hardware import get_gpu
 from .precision import WEIGHT_DTYPES

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..checks import is_int
+from ..core.checks import is_int
 from ..model.config import ModelConfig, get_preset
 
 SPEC_METHODS = ("ngram", "draft_model")

@@ -15,8 +15,8 @@ import urllib.request
 import pytest
 
 from minibatch_engine import LLM
-from minibatch_engine.server import ServerThread, make_app
-from minibatch_engine.server.metrics import parse_metrics
+from minibatch_engine.entrypoints.server import ServerThread, make_app
+from minibatch_engine.entrypoints.server.metrics import parse_metrics
 
 OPTS = dict(device="cpu", attention_backend="sdpa", max_num_seqs=32, max_model_len=256)
 #: the gauges of a server (or, summed, of a router's backends) with nothing left to do

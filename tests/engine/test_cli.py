@@ -5,8 +5,8 @@ import sys
 
 import pytest
 
-from minibatch_engine.bench import run_bench
-from minibatch_engine.cli import main
+from minibatch_engine.harness.bench import run_bench
+from minibatch_engine.entrypoints.cli import main
 
 KEYS = ["scheduler", "workload", "num_requests", "steps", "useful_tokens", "computed_tokens", "eta",
         "wall_seconds", "output_tokens_per_second", "sim_seconds", "ttft_steps_p50", "ttft_steps_p90",
@@ -117,14 +117,14 @@ def test_simulate_with_tensor_parallelism(capsys):
 @pytest.mark.parametrize("argv", [["serve"], ["route", "--backend", "http://127.0.0.1:1"]])
 def test_serve_and_route_name_the_missing_serve_extra(argv, monkeypatch, capsys):
     """Without aiohttp both commands stop with the package's name and the install that fixes it."""
-    server = [m for m in sys.modules if m == "minibatch_engine.server" or m.startswith("minibatch_engine.server.")]
+    server = [m for m in sys.modules if m == "minibatch_engine.entrypoints.server" or m.startswith("minibatch_engine.entrypoints.server.")]
     for name in server:
         monkeypatch.delitem(sys.modules, name)      # imported afresh, so aiohttp is looked up again
     monkeypatch.setitem(sys.modules, "aiohttp", None)
     try:
         assert main(argv) == 2
     finally:
-        for name in [m for m in sys.modules if m.startswith("minibatch_engine.server") and m not in server]:
+        for name in [m for m in sys.modules if m.startswith("minibatch_engine.entrypoints.server") and m not in server]:
             del sys.modules[name]                   # what the failed import left: not the real modules
     err = capsys.readouterr().err
     assert f"{argv[0]} needs the serve extra (aiohttp is missing): pip install 'minibatch-engine[serve]'" in err

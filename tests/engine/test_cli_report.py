@@ -4,7 +4,7 @@ for what they are, help without a doubled default, plain log-axis labels, and
 no progress bar sharing a piped result's line."""
 import pytest
 
-from minibatch_engine.cli import main
+from minibatch_engine.entrypoints.cli import main
 
 
 def test_bench_with_a_simulated_gpu_names_the_priced_model_and_its_outputs(capsys, tmp_path):

@@ -6,16 +6,16 @@ import pytest
 import torch
 
 from minibatch_engine import Engine, SamplingParams, reference_generate
-from minibatch_engine.bench import run_bench
-from minibatch_engine.cli import main
+from minibatch_engine.harness.bench import run_bench
+from minibatch_engine.entrypoints.cli import main
 from minibatch_engine.cluster import (Cluster, LeastKV, LeastRequests, PrefixAffinity, PrefixIndex, ReplicaState,
                                       RoundRobin, make_router, simulate_cluster)
 from minibatch_engine.cluster.connector import KVLoadingRunner, KVReceivingEngine, KVSavingRunner
 from minibatch_engine.cluster.disagg import simulate_disaggregated
 from minibatch_engine.cluster.link import LINKS, LinkQueue, get_link
 from minibatch_engine.cluster.replicas import sim_engines
-from minibatch_engine.metrics import timings_from_trace
-from minibatch_engine.workload import make_workload
+from minibatch_engine.harness.metrics import timings_from_trace
+from minibatch_engine.harness.workload import make_workload
 
 SIM = dict(sim_gpu="H100-SXM", sim_model="llama-3-8b")
 

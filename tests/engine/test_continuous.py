@@ -113,7 +113,7 @@ def test_abort_frees_the_row_for_the_next_step(tiny64):
 
 
 def test_latency_metrics_in_steps_and_seconds(tiny64):
-    from minibatch_engine.metrics import request_metrics
+    from minibatch_engine.harness.metrics import request_metrics
     engine = Engine(tiny64, EngineConfig(scheduler="continuous", max_num_seqs=1, max_model_len=64, **SIM))
     a = engine.add_request([1, 2, 3], SamplingParams(max_tokens=3, ignore_eos=True))
     b = engine.add_request([4, 5], SamplingParams(max_tokens=2, ignore_eos=True))

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from minibatch_engine import Engine, EngineConfig
-from minibatch_engine.cpu_threads import DEFAULT_NUM_THREADS, choose_num_threads, free_cores, set_cpu_threads
+from minibatch_engine.runner.cpu_threads import DEFAULT_NUM_THREADS, choose_num_threads, free_cores, set_cpu_threads
 
 
 @pytest.fixture

@@ -7,12 +7,12 @@ import torch
 
 from minibatch_engine import build_model
 from minibatch_engine.config import EngineConfig
-from minibatch_engine.engine import Engine
+from minibatch_engine.core.engine import Engine
 from minibatch_engine.kv import HostKVPool, KVPool, SwapSpace
 from minibatch_engine.model import reference_generate
 from minibatch_engine.model.config import TINY
 from minibatch_engine.runner.cuda_graphs import DecodeGraphs, graph_batch_sizes
-from minibatch_engine.sampling import SamplingParams
+from minibatch_engine.sampling.params import SamplingParams
 
 
 def test_graph_batch_sizes():

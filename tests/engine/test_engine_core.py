@@ -13,11 +13,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minibatch_engine import LLM, Engine, EngineConfig, SamplingParams, SpeculativeConfig, reference_generate
-from minibatch_engine import sampling as sampling_module
-from minibatch_engine.cli import main
+from minibatch_engine.sampling import sampler as sampling_module
+from minibatch_engine.entrypoints.cli import main
 from minibatch_engine.kv import KVCacheManager, PagedKVCache, ReservedKVCache
 from minibatch_engine.model import build_model, get_preset
-from minibatch_engine.request import RequestStatus
+from minibatch_engine.core.request import RequestStatus
 from minibatch_engine.speculative.proposer import Proposer
 
 from ..conftest import SIM, assert_all_memory_back

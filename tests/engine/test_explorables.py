@@ -125,7 +125,7 @@ def test_a_trace_panel_holds_every_lane_and_the_totals_check_the_trace():
 
 
 def test_the_sweep_keeps_each_requests_latencies_and_they_give_its_numbers(tmp_path):
-    from minibatch_engine.sweep import sweep
+    from minibatch_engine.harness.sweep import sweep
     from minibatch_engine.book.explorables import sweep_latency
     slo = {"ttft": 500, "tpot": 50}
     path = tmp_path / "rows.jsonl"
@@ -164,7 +164,7 @@ def test_the_sweep_keeps_each_requests_latencies_and_they_give_its_numbers(tmp_p
 def test_policy_latency_checks_are_the_group_summary():
     from minibatch_engine.book.explorables import policy_latency
     from minibatch_engine.book.policy_runs import by_group, simulate
-    from minibatch_engine.workload import make_workload
+    from minibatch_engine.harness.workload import make_workload
     specs = make_workload("mixed-classes", 40, seed=0, arrival_rate=16)
     runs = {p: (simulate(specs, p), specs) for p in ("fcfs", "priority")}
     stats = {p: by_group(*run[0], specs) for p, run in runs.items()}

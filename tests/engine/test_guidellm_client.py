@@ -20,7 +20,7 @@ GUIDELLM = shutil.which("guidellm") or str(Path(sys.executable).with_name("guide
 if not Path(GUIDELLM).is_file():
     pytest.skip("guidellm is not installed (the clients extra: make test-clients)", allow_module_level=True)
 
-from minibatch_engine.server import ServerThread, make_app  # noqa: E402
+from minibatch_engine.entrypoints.server import ServerThread, make_app  # noqa: E402
 
 REQUESTS = 4
 

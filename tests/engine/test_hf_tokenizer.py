@@ -17,7 +17,7 @@ from minibatch_engine.model import ByteTokenizer, load_tokenizer
 from minibatch_engine.model.hf_tokenizer import (SPECIAL_TOKENS, byte_alphabet, tokenizer_config,
                                                  tokenizer_json)
 from minibatch_engine.model.trained import TRAINED_MODELS, trained_model_path
-from minibatch_engine.server.chat_template import byte_level_chat, load_chat_template
+from minibatch_engine.entrypoints.server.chat_template import byte_level_chat, load_chat_template
 
 pytest.importorskip("tokenizers")
 transformers = pytest.importorskip("transformers")

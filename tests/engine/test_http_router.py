@@ -14,9 +14,9 @@ aiohttp = pytest.importorskip("aiohttp")
 pytest.importorskip("prometheus_client")
 
 from minibatch_engine import LLM, SamplingParams  # noqa: E402
-from minibatch_engine.server import ServerThread, make_app  # noqa: E402
-from minibatch_engine.server.metrics import parse_metrics  # noqa: E402
-from minibatch_engine.server.router_app import ROUTED_HEADER, build_router_app, federate  # noqa: E402
+from minibatch_engine.entrypoints.server import ServerThread, make_app  # noqa: E402
+from minibatch_engine.entrypoints.server.metrics import parse_metrics  # noqa: E402
+from minibatch_engine.entrypoints.server.router_app import ROUTED_HEADER, build_router_app, federate  # noqa: E402
 
 from .server_fixtures import IDLE, OPTS, free_port, metrics, post, streams_that_leave, wait_idle  # noqa: E402
 
@@ -138,7 +138,7 @@ def test_bad_router_arguments_are_named():
                      (dict(backends=["http://a"], model="/nonexistent"), "tokenizer")]:
         with pytest.raises(ValueError, match=word):
             build_router_app(**kw)
-    from minibatch_engine.cli import main
+    from minibatch_engine.entrypoints.cli import main
     assert main(["route"]) == 2 and main(["route", "--backend", "http://a", "--policy", "x"]) == 2
 
 
@@ -153,7 +153,7 @@ def test_federated_metrics_label_each_backend_and_keep_one_header_per_series():
 
 
 def test_bench_endpoint_through_the_router_has_one_servers_metric_set(backends):
-    from minibatch_engine.endpoint_client import bench_endpoint
+    from minibatch_engine.harness.endpoint_client import bench_endpoint
     with router(backends[:2], policy="prefix") as r:
         one = bench_endpoint(backends[2].url, num_requests=6, arrival_rate=40.0, progress=False,
                              goodput=["ttft:500"])
@@ -167,7 +167,7 @@ def test_bench_endpoint_through_the_router_has_one_servers_metric_set(backends):
 
 def test_the_prefix_key_is_the_token_ids_or_the_tokenizers_or_the_bytes():
     from minibatch_engine.model.registry import tokenizer_for
-    from minibatch_engine.server.router_app import prefix_key
+    from minibatch_engine.entrypoints.server.router_app import prefix_key
     comp, chat = "/v1/completions", "/v1/chat/completions"
     assert prefix_key({"prompt": [5, 6, 7]}, comp, None) == [5, 6, 7]
     assert prefix_key({"prompt": [[5, 6], [8]]}, comp, None) == [5, 6]
@@ -179,5 +179,5 @@ def test_the_prefix_key_is_the_token_ids_or_the_tokenizers_or_the_bytes():
                                    {"role": "assistant", "content": "yo"}]}, chat, None)
     assert two[:len(one)] == one                     # a longer conversation extends the key
     app = build_router_app(["http://a"], model="tiny-py")
-    from minibatch_engine.server.launch import STATE_KEY
+    from minibatch_engine.entrypoints.server.launch import STATE_KEY
     assert app[STATE_KEY]["tokenizer"] is not None

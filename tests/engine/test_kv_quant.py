@@ -258,7 +258,7 @@ def test_the_quantized_reference_differs_from_the_float_one_only_slightly(tiny64
 
 # --- what the user sees: bench, simulate, /metrics ------------------------------------
 def test_simulate_and_bench_show_the_doubled_block_count(capsys):
-    from minibatch_engine.cli import main
+    from minibatch_engine.entrypoints.cli import main
     blocks = {}
     for kv in ("auto", "fp8", "int8"):
         assert main(["simulate", "--num-requests", "4", "--kv-budget", str(8 * 2**30), "--kv-cache-dtype", kv,
@@ -276,7 +276,7 @@ def test_simulate_and_bench_show_the_doubled_block_count(capsys):
 
 def test_metrics_carry_the_cache_config_info():
     pytest.importorskip("prometheus_client")
-    from minibatch_engine.server.metrics import PrometheusStatLogger, parse_metrics
+    from minibatch_engine.entrypoints.server.metrics import PrometheusStatLogger, parse_metrics
     for kv in ("auto", "fp8"):
         engine = Engine(None, sim_gpu="H100-SXM", sim_model="llama-3-8b", kv_budget_bytes=2**30, kv_cache_dtype=kv)
         logger = PrometheusStatLogger("m")

@@ -32,8 +32,8 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window  # noq
 from minibatch_engine import LLM, SamplingParams  # noqa: E402
 from minibatch_engine.model.reference import full_forward_logits  # noqa: E402
 from minibatch_engine.model.registry import resolve_model  # noqa: E402
-from minibatch_engine.server import ServerThread, make_app  # noqa: E402
-from minibatch_engine.server.chat_template import load_chat_template  # noqa: E402
+from minibatch_engine.entrypoints.server import ServerThread, make_app  # noqa: E402
+from minibatch_engine.entrypoints.server.chat_template import load_chat_template  # noqa: E402
 
 MAX_LEN = 128           # the server's max_model_len: the long document needs several windows
 # float32 server against a float64 recompute, per scored request (a window's

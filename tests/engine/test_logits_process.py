@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from minibatch_engine import LLM, Engine, SamplingParams
-from minibatch_engine.logits_process import apply_logits_processors, bad_words_token_ids
+from minibatch_engine.sampling.logits_process import apply_logits_processors, bad_words_token_ids
 from minibatch_engine.model.reference import full_forward_logits
 
 from ..conftest import assert_all_memory_back

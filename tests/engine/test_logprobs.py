@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from minibatch_engine import LLM, Engine, SamplingParams
-from minibatch_engine.logprobs import as_dicts
+from minibatch_engine.sampling.logprobs import as_dicts
 from minibatch_engine.model.reference import full_forward_logits
 from minibatch_engine import SpeculativeConfig
 

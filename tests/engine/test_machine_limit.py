@@ -7,8 +7,8 @@ import time
 import pytest
 import torch
 
-from minibatch_engine import machine_limit
-from minibatch_engine.bench import format_report, run_bench
+from minibatch_engine.harness import machine_limit
+from minibatch_engine.harness.bench import format_report, run_bench
 from minibatch_engine.model import get_preset
 
 
@@ -92,7 +92,7 @@ def test_bench_reports_the_share_of_this_cpus_limit(cache):
 def test_the_limit_is_the_roofline_at_the_measured_rates():
     """A step's limit is the larger of its FLOPs and its bytes at the machine's rates:
     halving the matmul rate doubles a compute-bound step's limit."""
-    from minibatch_engine.trace import LaneRecord, StepRecord, Trace
+    from minibatch_engine.core.trace import LaneRecord, StepRecord, Trace
     trace = Trace()
     trace.append(StepRecord(step=0, lanes=[LaneRecord("a", 0, "prefill", 512, 0)], batch_id=None,
                             computed_tokens=512, useful_tokens=512, prefill_tokens=512, decode_tokens=0,

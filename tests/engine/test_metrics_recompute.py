@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from minibatch_engine import SamplingParams
-from minibatch_engine.metrics import RecomputeWork, recompute_work
+from minibatch_engine.harness.metrics import RecomputeWork, recompute_work
 
 from ..conftest import sim_engine
 

@@ -179,7 +179,7 @@ def test_every_tensor_on_the_model_device(device):
             return ids, pos, meta
         runner.prepare_inputs = wrapped
 
-    from minibatch_engine import engine as engine_module
+    from minibatch_engine.core import engine as engine_module
     original = engine_module.ModelRunner.__init__
 
     def init(self, *a, **kw):

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minibatch_engine import LLM, Engine, EngineConfig, SamplingParams, reference_generate
-from minibatch_engine.request import Request, RequestStatus
+from minibatch_engine.core.request import Request, RequestStatus
 from minibatch_engine.scheduler.policy import FairSharePolicy, PriorityPolicy
 
 from ..conftest import SIM, assert_all_memory_back
@@ -318,7 +318,7 @@ def test_vtc_lifts_a_returning_client_and_honours_weights():
 
 # --- workloads, bench and the command line ---------------------------------------------
 def test_class_and_client_workloads():
-    from minibatch_engine.workload import make_workload, parse_clients
+    from minibatch_engine.harness.workload import make_workload, parse_clients
     specs = make_workload("mixed-classes", 200, seed=1, arrival_rate=10.0)
     by = {c: [s for s in specs if s.request_class == c] for c in ("interactive", "batch")}
     assert len(by["interactive"]) > len(by["batch"]) > 0
@@ -340,7 +340,7 @@ def test_class_and_client_workloads():
 def test_bench_reports_per_class_and_per_client(tmp_path, capsys):
     import json
 
-    from minibatch_engine.cli import main
+    from minibatch_engine.entrypoints.cli import main
     path = tmp_path / "s.json"
     assert main(["simulate", "--workload", "mixed-classes", "--num-requests", "40", "--arrival-rate", "20",
                  "--max-batch", "4", "--policy", "priority", "--priority-aging-s", "2", "--no-progress",

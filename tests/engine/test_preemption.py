@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minibatch_engine import Engine, EngineConfig, SamplingParams, reference_generate
-from minibatch_engine.request import RequestStatus
+from minibatch_engine.core.request import RequestStatus
 
 from ..conftest import SIM, assert_all_memory_back
 

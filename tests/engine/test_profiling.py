@@ -1,4 +1,4 @@
-"""Where a run's time goes (minibatch_engine.profiling): the split adds up, the
+"""Where a run's time goes (minibatch_engine.harness.profiling): the split adds up, the
 attention timer counts every call (the backend's metadata included) and leaves
 the backend as it was, no step pays for a one-time kernel build, and the
 engine's fast paths for decode steps keep the KV bookkeeping exact."""
@@ -10,10 +10,10 @@ import time
 import pytest
 
 from minibatch_engine import Engine, EngineConfig, SamplingParams
-from minibatch_engine.profiling import (PHASES, decode_anatomy, profile_run, step_anatomy, time_shares,
+from minibatch_engine.harness.profiling import (PHASES, decode_anatomy, profile_run, step_anatomy, time_shares,
                                        timed_attention)
-from minibatch_engine.trace import Trace
-from minibatch_engine.vs_transformers import format_comparison
+from minibatch_engine.core.trace import Trace
+from minibatch_engine.harness.vs_transformers import format_comparison
 
 
 def _engine(model, n=6, max_num_seqs=4, **cfg):

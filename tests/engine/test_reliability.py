@@ -11,9 +11,9 @@ import torch
 
 from minibatch_engine import (AsyncLLM, Engine, LLM, SamplingParams, SpeculativeConfig,
                               reference_generate)
-from minibatch_engine import sampling as sampling_module
-from minibatch_engine.cli import main
-from minibatch_engine.metrics import request_metrics
+from minibatch_engine.sampling import sampler as sampling_module
+from minibatch_engine.entrypoints.cli import main
+from minibatch_engine.harness.metrics import request_metrics
 
 from ..conftest import assert_all_memory_back
 
@@ -429,7 +429,7 @@ def test_shutdown_releases_the_step_thread_even_if_the_engine_fails_meanwhile(ti
 
 def test_text_that_is_not_unicode_is_refused_whatever_the_tokenizer():
     """A Hugging Face tokenizer raised a bare TypeError for a lone surrogate."""
-    from minibatch_engine.inputs import encode_text
+    from minibatch_engine.core.inputs import encode_text
 
     class Picky:
         def encode(self, text):
@@ -440,7 +440,7 @@ def test_text_that_is_not_unicode_is_refused_whatever_the_tokenizer():
 
 def test_an_open_loop_client_refuses_arrivals_it_would_wait_years_for(tiny32):
     """sweep --rates 1e-300 on the real model slept forever."""
-    from minibatch_engine.async_llm import open_loop
+    from minibatch_engine.entrypoints.async_llm import open_loop
     llm = AsyncLLM(tiny32, max_num_seqs=2)
 
     async def main():

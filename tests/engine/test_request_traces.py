@@ -1,4 +1,4 @@
-"""Trace replay (request_traces.py): the shipped Azure traces, windows, time
+"""Trace replay (harness/request_traces.py): the shipped Azure traces, windows, time
 scales, bad CSVs, and the bench/simulate/sweep options that replay them."""
 import csv
 import json
@@ -9,11 +9,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from minibatch_engine.cli import main
-from minibatch_engine.request_traces import (TRACE_DIR, TRACE_FILES, load_trace, trace_path, trace_workload,
+from minibatch_engine.entrypoints.cli import main
+from minibatch_engine.harness.request_traces import (TRACE_DIR, TRACE_FILES, load_trace, trace_path, trace_workload,
                                              with_limit)
-from minibatch_engine.sweep import sweep
-from minibatch_engine.workload import make_workload
+from minibatch_engine.harness.sweep import sweep
+from minibatch_engine.harness.workload import make_workload
 
 ROOT = Path(__file__).resolve().parents[2]
 

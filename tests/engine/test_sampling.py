@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from minibatch_engine import LLM, Engine, SamplingParams
-from minibatch_engine.sampling import PREFIX, filter_logits, sample, sampling_probs
+from minibatch_engine.sampling.sampler import PREFIX, filter_logits, sample, sampling_probs
 
 
 @pytest.mark.parametrize("kwargs, field", [

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minibatch_engine import LLM, SamplingParams
-from minibatch_engine.sampling import PREFIX, filter_logits, sample, sampling_probs
+from minibatch_engine.sampling.sampler import PREFIX, filter_logits, sample, sampling_probs
 
 
 def _kept_by_the_rule(row: torch.Tensor, k: int, p: float) -> list[bool]:

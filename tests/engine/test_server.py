@@ -19,7 +19,7 @@ aiohttp = pytest.importorskip("aiohttp")
 pytest.importorskip("prometheus_client")
 
 from minibatch_engine import SamplingParams  # noqa: E402
-from minibatch_engine.server import ServerThread, make_app  # noqa: E402
+from minibatch_engine.entrypoints.server import ServerThread, make_app  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 from .server_fixtures import IDLE, OPTS, free_port, metrics, post, streams_that_leave, wait_idle  # noqa: E402
@@ -216,8 +216,8 @@ def test_sigterm_drains_then_aborts_and_exits_cleanly(tmp_path):
 def test_shutdown_aborts_exactly_the_streams_still_running_after_the_drain(monkeypatch):
     """The drain-then-abort path made certain: each step sleeps 20 ms, so a
     900-token stream outlasts a 0.5 s drain on any machine."""
-    from minibatch_engine.engine import Engine
-    from minibatch_engine.server.app import STATE_KEY
+    from minibatch_engine.core.engine import Engine
+    from minibatch_engine.entrypoints.server.app import STATE_KEY
     real = Engine.step
 
     def slow_step(self):
@@ -240,10 +240,10 @@ def test_shutdown_aborts_exactly_the_streams_still_running_after_the_drain(monke
 
 
 def test_bench_endpoint_reports_the_in_process_metric_set(server, tmp_path):
-    from minibatch_engine.bench import format_report, run_bench
-    from minibatch_engine.cli import main
-    from minibatch_engine.endpoint_client import bench_endpoint
-    from minibatch_engine.metrics import RequestTiming, serving_metrics
+    from minibatch_engine.harness.bench import format_report, run_bench
+    from minibatch_engine.entrypoints.cli import main
+    from minibatch_engine.harness.endpoint_client import bench_endpoint
+    from minibatch_engine.harness.metrics import RequestTiming, serving_metrics
     local, _ = run_bench(num_requests=6, arrival_rate=40.0, model="tiny", max_batch=32, max_model_len=256,
                          device="cpu", attention_backend="sdpa", progress=False, goodput=["ttft:500"])
     remote = bench_endpoint(server.url, num_requests=6, arrival_rate=40.0, progress=False, goodput=["ttft:500"])

@@ -14,9 +14,9 @@ openai = pytest.importorskip("openai")
 aiohttp = pytest.importorskip("aiohttp")
 pytest.importorskip("prometheus_client")
 
-from minibatch_engine.server import ServerThread, make_app  # noqa: E402
-from minibatch_engine.server.access import CorsPolicy  # noqa: E402
-from minibatch_engine.server.metrics import parse_metrics, token_buckets  # noqa: E402
+from minibatch_engine.entrypoints.server import ServerThread, make_app  # noqa: E402
+from minibatch_engine.entrypoints.server.access import CorsPolicy  # noqa: E402
+from minibatch_engine.entrypoints.server.metrics import parse_metrics, token_buckets  # noqa: E402
 
 OPTS = dict(device="cpu", attention_backend="sdpa", max_num_seqs=8, max_model_len=256)
 TEXTS = ["def add(a, b):\n    return a + b\n", "héllo wörld ✓", "a<|eos|>b", ""]
@@ -181,7 +181,7 @@ def test_prefix_cache_counters_equal_the_engine_counts_and_token_histograms_coun
 
 # --- item 6: the router --------------------------------------------------------------
 def test_the_router_reads_kv_usage_under_any_prefix():
-    from minibatch_engine.server.router_app import kv_usage_from
+    from minibatch_engine.entrypoints.server.router_app import kv_usage_from
     for name in ("vllm:kv_cache_usage_perc", "minibatch:kv_cache_usage_perc", "acme:kv_cache_usage_perc",
                  "vllm:gpu_cache_usage_perc"):
         assert kv_usage_from(f'# HELP {name} x\n{name}{{model_name="m"}} 0.25\n') == 0.25
@@ -190,7 +190,7 @@ def test_the_router_reads_kv_usage_under_any_prefix():
 
 
 def test_the_router_asks_for_the_key_and_sends_it_to_backends_that_use_the_vllm_prefix():
-    from minibatch_engine.server.router_app import ROUTED_HEADER, build_router_app
+    from minibatch_engine.entrypoints.server.router_app import ROUTED_HEADER, build_router_app
     backends = [ServerThread(make_app("tiny", api_keys=["k"], metrics_prefixes=("vllm",), **OPTS)).start()
                 for _ in range(2)]
     try:
@@ -215,7 +215,7 @@ def test_the_router_asks_for_the_key_and_sends_it_to_backends_that_use_the_vllm_
 
 
 def test_serve_flags_and_the_environment_choose_the_key_cors_and_prefixes(monkeypatch):
-    from minibatch_engine.cli import _access_options, build_parser
+    from minibatch_engine.entrypoints.cli import _access_options, build_parser
     parse = build_parser().parse_args
     for name in ("MINIBATCH_API_KEY", "VLLM_API_KEY"):
         monkeypatch.delenv(name, raising=False)

@@ -13,7 +13,7 @@ pytest.importorskip("prometheus_client")
 
 from minibatch_engine import LLM, SamplingParams  # noqa: E402
 from minibatch_engine.model.reference import full_forward_logits  # noqa: E402
-from minibatch_engine.server.request_fields import REFUSED_BOTH, REFUSED_CHAT  # noqa: E402
+from minibatch_engine.entrypoints.server.request_fields import REFUSED_BOTH, REFUSED_CHAT  # noqa: E402
 
 from .server_fixtures import OPTS, client, offline, server  # noqa: E402,F401 (fixtures)
 

@@ -1,4 +1,4 @@
-"""The server caps glibc's malloc arenas before its threads start (server/memory.py).
+"""The server caps glibc's malloc arenas before its threads start (entrypoints/server/memory.py).
 
 Without the cap a standalone `serve` crept from 426 MB to 910 MB over 4,000
 streams and was still rising; with it, it stayed at 586 MB from about 1,500
@@ -16,7 +16,7 @@ import pytest
 pytest.importorskip("aiohttp")
 pytest.importorskip("prometheus_client")
 
-from minibatch_engine.server import launch, memory  # noqa: E402
+from minibatch_engine.entrypoints.server import launch, memory  # noqa: E402
 
 GLIBC = platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
 

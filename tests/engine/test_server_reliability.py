@@ -20,10 +20,10 @@ pytest.importorskip("prometheus_client")
 from aiohttp import web  # noqa: E402
 
 from minibatch_engine import AsyncLLM, SamplingParams  # noqa: E402
-from minibatch_engine.cli import main  # noqa: E402
-from minibatch_engine.server import ServerThread, make_app  # noqa: E402
-from minibatch_engine.server.app import STATE_KEY  # noqa: E402
-from minibatch_engine.server.router_app import build_router_app  # noqa: E402
+from minibatch_engine.entrypoints.cli import main  # noqa: E402
+from minibatch_engine.entrypoints.server import ServerThread, make_app  # noqa: E402
+from minibatch_engine.entrypoints.server.app import STATE_KEY  # noqa: E402
+from minibatch_engine.entrypoints.server.router_app import build_router_app  # noqa: E402
 
 from .server_fixtures import IDLE, OPTS, metrics, post, wait_idle  # noqa: E402
 
@@ -266,7 +266,7 @@ HALF_BODY = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: applica
 
 
 def test_slow_clients_meet_the_header_and_body_deadlines_on_serve_and_route():
-    from minibatch_engine.server.limits import ConnectionLimits
+    from minibatch_engine.entrypoints.server.limits import ConnectionLimits
     limits = ConnectionLimits(header_timeout=0.5, body_timeout=0.5, max_connections=64)
     with ServerThread(make_app("tiny", limits=limits, **OPTS)) as s, \
             ServerThread(build_router_app([s.url], poll_interval=0.1, limits=limits)) as r:
@@ -288,7 +288,7 @@ def test_slow_clients_meet_the_header_and_body_deadlines_on_serve_and_route():
 
 
 def test_slow_clients_cannot_starve_a_whole_request_and_busy_connections_get_503():
-    from minibatch_engine.server.limits import ConnectionLimits
+    from minibatch_engine.entrypoints.server.limits import ConnectionLimits
     limits = ConnectionLimits(header_timeout=60, body_timeout=60, max_connections=4)
     with ServerThread(make_app("tiny", limits=limits, **OPTS)) as s:
         slow = []
@@ -339,8 +339,8 @@ def test_slow_clients_cannot_starve_a_whole_request_and_busy_connections_get_503
     (["simulate", "--num-requests", "2", "--no-progress", "--max-model-len", "100000"], "--max-model-len"),
 ])
 def test_cli_refuses_bad_serve_route_and_endpoint_options_by_flag(capsys, monkeypatch, argv, match):
-    import minibatch_engine.server as server_pkg
-    from minibatch_engine.server import router_app
+    import minibatch_engine.entrypoints.server as server_pkg
+    from minibatch_engine.entrypoints.server import router_app
 
     def started(*a, **k):                   # a refusal comes before the server listens, never after
         raise AssertionError("the server started")
@@ -376,7 +376,7 @@ def test_json_into_an_unwritable_folder_fails_before_the_run(capsys, tmp_path):
 
 
 def test_a_stream_that_fails_in_its_own_step_says_why(monkeypatch):
-    from minibatch_engine import sampling as sampling_module
+    from minibatch_engine.sampling import sampler as sampling_module
     import torch
     real = sampling_module.sampling_probs
 

@@ -5,12 +5,12 @@ import math
 import numpy as np
 import pytest
 
-from minibatch_engine.metrics import (parse_goodput, parse_percentiles, request_metrics,
+from minibatch_engine.harness.metrics import (parse_goodput, parse_percentiles, request_metrics,
                                       serving_metrics, timings_from_trace)
-from minibatch_engine.request import Request
-from minibatch_engine.sampling import SamplingParams
-from minibatch_engine.trace import StepRecord, Trace
-from minibatch_engine.workload import arrival_gaps, make_workload
+from minibatch_engine.core.request import Request
+from minibatch_engine.sampling.params import SamplingParams
+from minibatch_engine.core.trace import StepRecord, Trace
+from minibatch_engine.harness.workload import arrival_gaps, make_workload
 
 # Three requests, times in seconds (worked by hand below):
 #   a: arrives 0.0, tokens at 1.0 1.5 2.5 3.0 -> TTFT 1.0, E2EL 3.0, TPOT 2/3, ITL 0.5 1.0 0.5
@@ -66,7 +66,7 @@ def test_metric_definitions_on_a_hand_built_trace():
 
 
 def test_summary_keys_match_the_hand_computation_for_a_real_run():
-    from minibatch_engine.bench import run_bench
+    from minibatch_engine.harness.bench import run_bench
     s, eng = run_bench(num_requests=30, max_batch=8, seed=2, sim_gpu="H100-SXM", sim_model="llama-3-8b",
                        simulate_only=True, progress=False, arrival_rate=50.0, goodput=["ttft:50"])
     reqs = list(eng.requests.values())
@@ -240,7 +240,7 @@ def test_200_concurrent_streams_lose_nothing(tiny32):
         s.prompt_token_ids, s.max_tokens = s.prompt_token_ids[:12], 1 + s.max_tokens % 4
 
     async def main():
-        from minibatch_engine.async_llm import open_loop
+        from minibatch_engine.entrypoints.async_llm import open_loop
         async with AsyncLLM(tiny32, max_num_seqs=64) as llm:
             recs = await open_loop(llm, specs)
             await llm.wait_idle()
@@ -264,7 +264,7 @@ def test_bounded_history_forgets_served_requests_and_old_steps(tiny32):
         s.prompt_token_ids, s.max_tokens = s.prompt_token_ids[:12], 1 + s.max_tokens % 6
 
     async def serve(history):
-        from minibatch_engine.async_llm import open_loop
+        from minibatch_engine.entrypoints.async_llm import open_loop
         async with AsyncLLM(tiny32, max_num_seqs=8, history=history) as llm:
             recs = await open_loop(llm, specs)
             cancelled = asyncio.create_task(consume(llm, [3, 4], SamplingParams(max_tokens=400, ignore_eos=True), "c"))
@@ -349,7 +349,7 @@ def test_forget_takes_finished_requests_only():
 
 
 def test_trace_max_steps_keeps_the_last_steps():
-    from minibatch_engine.trace import StepRecord
+    from minibatch_engine.core.trace import StepRecord
     trace = Trace(max_steps=16)
     for k in range(100):
         trace.append(StepRecord(step=k, lanes=[], batch_id=None, computed_tokens=1, useful_tokens=1,
@@ -362,8 +362,8 @@ def test_trace_max_steps_keeps_the_last_steps():
 
 
 def test_sweep_command_writes_one_row_per_rate_and_plots(tmp_path):
-    from minibatch_engine.cli import main
-    from minibatch_engine.sweep import knee, max_rate_under_slo
+    from minibatch_engine.entrypoints.cli import main
+    from minibatch_engine.harness.sweep import knee, max_rate_under_slo
     rows_path, fig = tmp_path / "s.jsonl", tmp_path / "s.png"
     assert main(["sweep", "--sim-gpu", "H100-SXM", "--sim-model", "llama-3-8b", "--rates", "2,200",
                  "--num-requests", "60", "--max-batch", "16", "--goodput", "ttft:300", "--jsonl", str(rows_path),

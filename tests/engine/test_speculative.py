@@ -7,7 +7,7 @@ import torch
 
 from minibatch_engine import Engine, EngineConfig, SamplingParams, build_model, reference_generate
 from minibatch_engine import SpeculativeConfig
-from minibatch_engine.request import RequestStatus
+from minibatch_engine.core.request import RequestStatus
 from minibatch_engine.speculative import ngram_propose, rejection_sample, verify_greedy
 
 from ..conftest import assert_all_memory_back
@@ -216,7 +216,7 @@ def test_sampling_through_the_engine_is_seeded(tiny64):
 
 
 def test_simulator_models_acceptance_and_prices_the_draft():
-    from minibatch_engine.workload import make_workload
+    from minibatch_engine.harness.workload import make_workload
     sims = {}
     for name, spec in [("off", None), ("ngram", SpeculativeConfig("ngram", 3, sim_acceptance_rate=0.7)),
                        ("draft", SpeculativeConfig("draft_model", 3, sim_acceptance_rate=0.7))]:
@@ -253,7 +253,7 @@ def test_config_errors():
 def test_bench_and_cli_report_speculation(tmp_path):
     import json
 
-    from minibatch_engine.cli import main
+    from minibatch_engine.entrypoints.cli import main
     path = tmp_path / "s.json"
     assert main(["simulate", "--num-requests", "8", "--no-progress", "--speculative-method", "ngram",
                  "--num-speculative-tokens", "2", "--json", str(path)]) == 0
@@ -335,8 +335,8 @@ def test_the_budget_split_is_reported_and_speculation_keeps_its_tokens(tiny64, r
 def test_bench_and_metrics_show_the_budget_split(tiny64):
     """The bench's summary and report, and /metrics, carry the target's and the draft's shares."""
     pytest.importorskip("prometheus_client")
-    from minibatch_engine.bench import format_report, summarize
-    from minibatch_engine.server.metrics import PrometheusStatLogger, parse_metrics
+    from minibatch_engine.harness.bench import format_report, summarize
+    from minibatch_engine.entrypoints.server.metrics import PrometheusStatLogger, parse_metrics
     spec = SpeculativeConfig("draft_model", 2, draft_model=tiny64)
     engine = Engine(tiny64, small(kv_budget_bytes=5_555_555, speculative=spec))
     split = engine.kv_split()

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from minibatch_engine import AsyncLLM, LLM, SamplingParams, reference_generate
-from minibatch_engine.request import PRIORITY_MAX, PRIORITY_MIN, Request, check_priority
+from minibatch_engine.core.request import PRIORITY_MAX, PRIORITY_MIN, Request, check_priority
 from minibatch_engine.scheduler.policy import PriorityPolicy
 
 from ..conftest import assert_all_memory_back
@@ -158,7 +158,7 @@ def test_serve_with_aging_answers_400_to_a_huge_priority_and_goes_on():
 
 def test_serve_a_failure_inside_a_step_ends_that_request_only(tiny64, monkeypatch):
     pytest.importorskip("aiohttp")
-    from minibatch_engine.server import ServerThread, make_app
+    from minibatch_engine.entrypoints.server import ServerThread, make_app
     _fail_ordering_of(monkeypatch, priority=7)
     with ServerThread(make_app(tiny64, device="cpu", attention_backend="sdpa", **AGING)) as s:
         base = {"prompt": [5, 6, 7], "max_tokens": 4, "ignore_eos": True, "temperature": 0}

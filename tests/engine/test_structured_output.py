@@ -23,8 +23,8 @@ from minibatch_engine.model import ByteTokenizer  # noqa: E402
 from minibatch_engine.model.reference import full_forward_logits  # noqa: E402
 from minibatch_engine.model.tokenizer import HFTokenizer  # noqa: E402
 from minibatch_engine.model.trained import trained_model_path  # noqa: E402
-from minibatch_engine.outputs import SchedulerOutput  # noqa: E402
-from minibatch_engine.structured_output import (StructuredOutputManager, StructuredOutputsParams,  # noqa: E402
+from minibatch_engine.core.outputs import SchedulerOutput  # noqa: E402
+from minibatch_engine.sampling.structured_output import (StructuredOutputManager, StructuredOutputsParams,  # noqa: E402
                                                 apply_bitmask, unpack_bitmask)
 
 from ..conftest import assert_all_memory_back  # noqa: E402

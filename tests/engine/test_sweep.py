@@ -1,4 +1,4 @@
-"""The sweep's steady-state window (minibatch_engine.sweep.steady_metrics) and
+"""The sweep's steady-state window (minibatch_engine.harness.sweep.steady_metrics) and
 DistServe's goodput: counted over the window, an engine that keeps up shows the
 offered rate, one that does not shows what it can serve; the whole-run count
 (vLLM's) shows less than the offered rate even for the first, because of the drain."""
@@ -6,9 +6,9 @@ import math
 
 import pytest
 
-from minibatch_engine.metrics import RequestTiming, serving_metrics
-from minibatch_engine.sweep import STEADY_WARMUP, distserve_goodput, steady_metrics, steady_window, sweep
-from minibatch_engine.workload import Uniform, WorkloadSpec
+from minibatch_engine.harness.metrics import RequestTiming, serving_metrics
+from minibatch_engine.harness.sweep import STEADY_WARMUP, distserve_goodput, steady_metrics, steady_window, sweep
+from minibatch_engine.harness.workload import Uniform, WorkloadSpec
 
 
 def fifo(n: int, gap: float, service: float, tokens: int = 5) -> list[RequestTiming]:

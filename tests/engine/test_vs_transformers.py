@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from minibatch_engine import load_model
-from minibatch_engine.cli import main
+from minibatch_engine.entrypoints.cli import main
 
 
 def test_missing_transformers_is_a_clear_error(monkeypatch, capsys):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from minibatch_engine import vs_transformers as vt
+from minibatch_engine.harness import vs_transformers as vt
 
 
 def test_estimate_names_the_rounds_and_a_time():

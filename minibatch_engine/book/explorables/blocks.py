@@ -15,8 +15,8 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 from ...config import EngineConfig
-from ...engine import Engine
-from ...sampling import SamplingParams
+from ...core.engine import Engine
+from ...sampling.params import SamplingParams
 from .base import Explorable
 
 

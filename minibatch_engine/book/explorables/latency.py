@@ -3,7 +3,7 @@ and TPOT (or end-to-end latency) for several runs; the reader picks a group
 (a request class, an arrival rate), a percentile and the SLO, and the page
 computes each run's percentile (``MBE.percentile``, numpy's linear rule), the
 share of requests meeting the SLO and, for a run with a steady-state window,
-its goodput (``MBE.goodput``, as :func:`minibatch_engine.sweep.steady_metrics`).
+its goodput (``MBE.goodput``, as :func:`minibatch_engine.harness.sweep.steady_metrics`).
 
 :func:`policy_latency` builds chapter 7's from its policy runs and
 :func:`sweep_latency` chapter 8's from its load sweep; both add checks that
@@ -15,8 +15,8 @@ from __future__ import annotations
 from typing import Mapping, Sequence
 
 
-from ...metrics import request_metrics
-from ...workload import CLASS_WORKLOADS
+from ...harness.metrics import request_metrics
+from ...harness.workload import CLASS_WORKLOADS
 from ..plotting import COLORS
 from .base import Explorable
 
@@ -116,7 +116,7 @@ def policy_latency(runs: Mapping[str, tuple], workload: str = "mixed-classes",
 def sweep_latency(curves: Mapping[str, Sequence[Mapping]], slo_ms: Mapping[str, float],
                   rate_index: int = 0) -> Explorable:
     """Chapter 8: ``curves``: ``{engine: sweep rows}`` whose rows carry
-    ``latencies`` (:func:`minibatch_engine.sweep.sweep`); one group per rate.
+    ``latencies`` (:func:`minibatch_engine.harness.sweep.sweep`); one group per rate.
     Checks: at the chapter's SLO (``slo_ms``) and p99, the page's TTFT and TPOT
     percentiles, steady-state goodput and SLO attainment (the share of the
     window's arrivals meeting every SLO) equal the rows'."""

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-from ...metrics import request_metrics
+from ...harness.metrics import request_metrics
 from ..plotting import _lane_rows
 from .base import Explorable
 

@@ -1,5 +1,5 @@
 """``minibatch-engine serve``: OpenAI's HTTP API (as vLLM serves it) in front
-of an :class:`~minibatch_engine.async_llm.AsyncLLM`.
+of an :class:`~minibatch_engine.entrypoints.async_llm.AsyncLLM`.
 
 * :mod:`.protocol`: request checks and response bodies;
 * :mod:`.chat_template`: chat messages -> one prompt;

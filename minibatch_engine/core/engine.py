@@ -25,22 +25,22 @@ import time
 
 import torch
 
-from .config import DEFAULT_CPU_KV_BYTES, EngineConfig
+from ..config import DEFAULT_CPU_KV_BYTES, EngineConfig
 from .inputs import as_token_ids, check_arrival_time
-from .kv import HostKVPool, KVPool, PagedKVCache, ReservedKVCache, SwapSpace
-from .kv.quant import kv_bytes_per_token
-from .model.config import ModelConfig, get_preset
+from ..kv import HostKVPool, KVPool, PagedKVCache, ReservedKVCache, SwapSpace
+from ..kv.quant import kv_bytes_per_token
+from ..model.config import ModelConfig, get_preset
 from .request import FinishReason, Request, check_priority
 from .outputs import RunnerOutput, SchedulerOutput
-from .runner import ModelRunner, SimRunner
-from .sampling import SamplingParams
-from .scheduler import ContinuousScheduler, Scheduler, StaticScheduler
-from .scheduler.base import SAMPLE_ID
-from .scheduler.policy import make_policy
-from .scheduler.preemption import Preemptor
-from .sim import CostModel, get_gpu
-from .speculative import DraftModelProposer, NgramProposer, SimProposer
-from .structured_output import StructuredOutputManager
+from ..runner import ModelRunner, SimRunner
+from ..sampling.params import SamplingParams
+from ..scheduler import ContinuousScheduler, Scheduler, StaticScheduler
+from ..scheduler.base import SAMPLE_ID
+from ..scheduler.policy import make_policy
+from ..scheduler.preemption import Preemptor
+from ..sim import CostModel, get_gpu
+from ..speculative import DraftModelProposer, NgramProposer, SimProposer
+from ..sampling.structured_output import StructuredOutputManager
 from .trace import LaneRecord, StepRecord, Trace
 
 
@@ -266,7 +266,7 @@ class Engine:
         """The draft model, on the target's device and dtype (None in the simulator)."""
         if model is None:
             return None
-        from .model.registry import resolve_model
+        from ..model.registry import resolve_model
         spec = self.config.speculative
         if spec.draft_model is None:
             raise ValueError("speculative method='draft_model' needs draft_model= (a Transformer, 'tiny' "

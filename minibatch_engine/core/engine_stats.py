@@ -1,6 +1,6 @@
 """What a serving front end reports after each engine step (vLLM V1's
 ``SchedulerStats`` and ``IterationStats``), for its stat loggers: Prometheus
-(``minibatch_engine.server.metrics``) or anything with a ``record`` method.
+(``minibatch_engine.entrypoints.server.metrics``) or anything with a ``record`` method.
 
 Plain data, no engine object: in vLLM V1 these cross from the engine-core
 process to the API server with each step's outputs. Times are wall seconds

@@ -97,8 +97,8 @@ def run_hf_continuous(hf, prompts, max_tokens, batch: int) -> list[list[int]]:
 def engine_for(model, prompts, max_tokens, batch: int, attention_backend: str, cpu_threads: int | str = "auto"):
     """This engine (continuous, paged, ``max_num_seqs=batch``) and the workload's
     requests, added to it in order."""
-    from .engine import Engine
-    from .sampling import SamplingParams
+    from ..core.engine import Engine
+    from ..sampling.params import SamplingParams
     eng = Engine(model, max_num_seqs=batch, attention_backend=attention_backend, cpu_threads=cpu_threads)
     reqs = [eng.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True)) for p, m in zip(prompts, max_tokens)]
     return eng, reqs
@@ -119,13 +119,13 @@ def compare(model="tiny", num_requests: int = 64, batch: int = 64, seed: int = 0
     log("loading transformers and converting the model to a Hugging Face checkpoint...")
     transformers = _require_transformers()
     from .bench import cpu_name, warmup
-    from .model.config import PAD_ID
-    from .model.hf_export import save_hf_checkpoint
-    from .model.registry import resolve_model
+    from ..model.config import PAD_ID
+    from ..model.hf_export import save_hf_checkpoint
+    from ..model.registry import resolve_model
     from .workload import make_workload
     if threads:
         torch.set_num_threads(threads)
-    from .attention import get_attention_backend
+    from ..attention import get_attention_backend
     attention_backend = get_attention_backend(attention_backend, "cpu").name   # "auto" -> what ran
     ours = resolve_model(model, device="cpu", dtype="float32")
     with tempfile.TemporaryDirectory() as ckpt:

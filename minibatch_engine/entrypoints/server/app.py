@@ -36,14 +36,14 @@ from typing import AsyncIterator
 from aiohttp import web
 
 from ..async_llm import AsyncLLM, StreamOutput
-from ..inputs import encode_text
+from ...core.inputs import encode_text
 from . import tokenize_routes
 from .access import CorsPolicy, add_cors_headers, api_key_middleware, cors_middleware
 from .chat_template import byte_level_chat
 from .errors import error_middleware
 from .limits import ConnectionLimits, read_body
 from .metrics import CONTENT_TYPE_LATEST, PrometheusStatLogger
-from ..logits_process import with_bad_words
+from ...sampling.logits_process import with_bad_words
 from .protocol import (APIError, GenerationRequest, choice, new_id, parse_json, parse_request, response,
                        usage)
 from .request_fields import chat_logprobs, completion_logprobs, prompt_logprobs_json

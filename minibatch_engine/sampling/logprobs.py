@@ -11,7 +11,7 @@ top-N: its own log-probability is always returned.)
 One entry per token, ``(token_ids, logprobs, rank)``: the token first, then
 the N most likely tokens, largest first, with their log-probabilities; ``rank``
 is the token's place in the vocabulary by probability (1: the most likely).
-Plain lists, so a :class:`~minibatch_engine.outputs.RunnerOutput` stays plain
+Plain lists, so a :class:`~minibatch_engine.core.outputs.RunnerOutput` stays plain
 data. :func:`as_dicts` turns entries into vLLM's shape, ``{token_id: Logprob}``.
 
 Prompt log-probabilities need the logits of every prompt position, not only

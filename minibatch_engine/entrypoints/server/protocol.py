@@ -21,8 +21,8 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from ..request import check_priority
-from ..sampling import SamplingParams
+from ...core.request import check_priority
+from ...sampling.params import SamplingParams
 from .request_fields import refuse_unimplemented, sampling_fields, structured_fields
 
 MAX_N = 128                     # most choices per request
@@ -98,7 +98,7 @@ def _int(body: dict, name: str, default, low: int | None = None, high: int | Non
 
 
 def _priority(body: dict) -> int:
-    """The engine's own check (:func:`~minibatch_engine.request.check_priority`), as a 400."""
+    """The engine's own check (:func:`~minibatch_engine.core.request.check_priority`), as a 400."""
     v = body.get("priority")
     try:
         return 0 if v is None else check_priority(v, "'priority'")

@@ -41,8 +41,8 @@ from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 
-from .request import Request
-from .trace import Trace
+from ..core.request import Request
+from ..core.trace import Trace
 
 CLOCKS = ("wall", "sim")
 SLO_METRICS = ("ttft", "tpot", "e2el")      # the names --goodput accepts (vLLM's)

@@ -3,7 +3,7 @@
 ``sweep --endpoint URL``.
 
 The same seeded workloads and arrival processes as the in-process runs
-(:func:`~minibatch_engine.workload.make_workload`); each request is sent at its
+(:func:`~minibatch_engine.harness.workload.make_workload`); each request is sent at its
 arrival time on the wall clock, whether or not earlier ones have returned, as
 ``POST /v1/completions`` with the prompt as token ids, ``max_tokens`` from the
 workload, ``ignore_eos`` (so output lengths follow the workload, as
@@ -11,7 +11,7 @@ workload, ``ignore_eos`` (so output lengths follow the workload, as
 ``stream_options.include_usage``. A token's time is the arrival of the
 server-sent event that carries it; a chunk that carries several tokens (the
 server's usage count says how many) counts them all at its arrival. The
-latency and throughput keys are then :func:`~minibatch_engine.metrics.serving_metrics`'s,
+latency and throughput keys are then :func:`~minibatch_engine.harness.metrics.serving_metrics`'s,
 exactly as the in-process runs compute them, with ``clock`` ``"wall"``.
 
 Where the server exposes Prometheus metrics with vLLM's names (``vllm:`` or
@@ -146,7 +146,7 @@ async def _one(session, url: str, model: str, spec, t0: float, api_key: str) -> 
 async def open_loop_endpoint(url: str, specs: Sequence, model: str | None = None, api_key: str = "EMPTY",
                              progress: Callable[[int], None] | None = None,
                              ) -> tuple[list[EndpointRecord], str, dict, dict]:
-    """Send ``specs`` (:class:`~minibatch_engine.workload.RequestSpec`) at their
+    """Send ``specs`` (:class:`~minibatch_engine.harness.workload.RequestSpec`) at their
     arrival times. Returns (records in order, the model asked for, the server's
     counters before, and after)."""
     aiohttp = _aiohttp()
@@ -230,7 +230,7 @@ def summarize_endpoint(records, specs, *, url, model, workload, seed, arrival_ra
 def sweep_endpoint(url: str, rates: Sequence[float], model: str | None = None, jsonl: str | None = None,
                    progress: bool = True, warmup: float | None = None, **options) -> list[dict]:
     """:func:`bench_endpoint` at every rate, one row each (also appended to
-    ``jsonl``), with the steady-state keys of :func:`~minibatch_engine.sweep.steady_metrics`."""
+    ``jsonl``), with the steady-state keys of :func:`~minibatch_engine.harness.sweep.steady_metrics`."""
     from .sweep import STEADY_WARMUP, steady_metrics
     rows = []
     out = open(jsonl, "w") if jsonl else None

@@ -8,7 +8,7 @@ Shaped like vLLM's ``AsyncLLM.generate``::
         print(out.token_id, out.text, out.finish_reason)
 
 How it works. One background asyncio task, the *engine loop*, owns the
-:class:`~minibatch_engine.engine.Engine`. It repeats: take in the requests and
+:class:`~minibatch_engine.core.engine.Engine`. It repeats: take in the requests and
 aborts that arrived since the last step, run one ``Engine.step``, then hand
 every stream the tokens its request gained. ``Engine.step`` is blocking (a
 model forward takes milliseconds to seconds), so the loop runs it in a
@@ -23,7 +23,7 @@ and HTTP never steal the GIL from the scheduler.)
 Stop strings (``SamplingParams.stop``) are checked here, on the text handed
 out, as vLLM checks them in its front end: a stream that produces one ends with
 ``finish_reason="stop"`` and its request is aborted in the engine. After every
-step the loop reports to its ``stat_loggers`` (:mod:`minibatch_engine.engine_stats`):
+step the loop reports to its ``stat_loggers`` (:mod:`minibatch_engine.core.engine_stats`):
 the server's Prometheus metrics are one.
 
 Cancelling a consumer (``task.cancel()``, or leaving the ``async for`` and
@@ -45,16 +45,16 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable, Sequence
 
-from .config import EngineConfig
-from .engine import Engine
-from .engine_stats import FinishedRequestStats, IterationStats, SchedulerStats
-from .inputs import as_token_ids, check_arrival_time, encode_text
-from .metrics import RequestTiming
-from .request import FinishReason, Request
-from .sampling import SamplingParams
-from .logits_process import with_bad_words
-from .stop_strings import cut_at, holdback, min_tokens_text
-from .trace import Trace
+from ..config import EngineConfig
+from ..core.engine import Engine
+from ..core.engine_stats import FinishedRequestStats, IterationStats, SchedulerStats
+from ..core.inputs import as_token_ids, check_arrival_time, encode_text
+from ..harness.metrics import RequestTiming
+from ..core.request import FinishReason, Request
+from ..sampling.params import SamplingParams
+from ..sampling.logits_process import with_bad_words
+from ..core.stop_strings import cut_at, holdback, min_tokens_text
+from ..core.trace import Trace
 
 
 @dataclass
@@ -73,7 +73,7 @@ class StreamOutput:
     index: int                      # how many output tokens the request has, this one included
     finish_reason: str | None = None
     error: str | None = None
-    logprobs: tuple | None = None   # this token's entry (SamplingParams.logprobs; minibatch_engine.logprobs)
+    logprobs: tuple | None = None   # this token's entry (SamplingParams.logprobs; minibatch_engine.sampling.logprobs)
     prompt_logprobs: list | None = None   # on the first output: the prompt's entries (prompt_logprobs)
 
     @property
@@ -119,12 +119,12 @@ class AsyncLLM:
     then refuse it.
 
     ``stat_loggers``: objects with ``record(SchedulerStats, IterationStats)``
-    (:mod:`minibatch_engine.engine_stats`), called after every step."""
+    (:mod:`minibatch_engine.core.engine_stats`), called after every step."""
 
     def __init__(self, model="tiny", tokenizer=None, device: str = "auto", dtype: str = "float32",
                  seed: int = 0, step_in_thread: bool = True, history: int | None = None,
                  stat_loggers: Sequence = (), quantization: str | None = None, **engine_options):
-        from .model.registry import resolve_model, tokenizer_for
+        from ..model.registry import resolve_model, tokenizer_for
         config = EngineConfig().with_overrides(**engine_options)
         self.model = resolve_model(model, device=device, dtype=dtype, seed=seed, quantization=quantization)
         self.tokenizer = tokenizer if tokenizer is not None else tokenizer_for(getattr(self.model, "source", None))
@@ -206,7 +206,7 @@ class AsyncLLM:
         return len(self._inbox) + len(getattr(sched, "waiting", ())) + len(getattr(sched, "swapped", ()))
 
     def scheduler_stats(self) -> SchedulerStats:
-        """The gauges now (:class:`~minibatch_engine.engine_stats.SchedulerStats`)."""
+        """The gauges now (:class:`~minibatch_engine.core.engine_stats.SchedulerStats`)."""
         sched, kv = self.engine.scheduler, self.engine.kv_cache
         running = len(getattr(sched, "running", ())) if hasattr(sched, "running") else \
             sum(not r.is_finished and r.first_scheduled_step is not None for r in sched.requests.values())
@@ -460,7 +460,7 @@ async def open_loop(llm: AsyncLLM, requests: Sequence, arrival_times: Sequence[f
                     progress: Callable[[int], None] | None = None) -> list[ClientRecord]:
     """Send ``requests`` at their arrival times on the wall clock, each without
     waiting for the others (an open loop, like ``vllm bench serve``), and record
-    when each token arrives. ``requests`` are :class:`~minibatch_engine.workload.RequestSpec`
+    when each token arrives. ``requests`` are :class:`~minibatch_engine.harness.workload.RequestSpec`
     (their ``arrival_time`` is used) or ``(prompt, SamplingParams)`` pairs with
     ``arrival_times`` given. Returns one :class:`ClientRecord` per request, in order."""
     t0 = time.perf_counter()

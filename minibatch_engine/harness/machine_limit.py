@@ -32,10 +32,10 @@ from pathlib import Path
 
 import torch
 
-from .model.config import ModelConfig
-from .sim.hardware import GPU
-from .sim.operators import PROJECTIONS, projection_shape
-from .sim.roofline import RooflineCostModel
+from ..model.config import ModelConfig
+from ..sim.hardware import GPU
+from ..sim.operators import PROJECTIONS, projection_shape
+from ..sim.roofline import RooflineCostModel
 
 CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "minibatch_engine" / "machine_limit.json"
 ROWS = 256                 # rows of the calibration GEMMs: enough to be compute-bound on a CPU

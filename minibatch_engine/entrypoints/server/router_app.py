@@ -54,8 +54,8 @@ from typing import Sequence
 import aiohttp
 from aiohttp import web
 
-from ..cluster.prefix_index import PrefixIndex, block_hashes
-from ..cluster.router import ReplicaState, RouterPolicy, make_router
+from ...cluster.prefix_index import PrefixIndex, block_hashes
+from ...cluster.router import ReplicaState, RouterPolicy, make_router
 from .access import api_key_middleware
 from .errors import error_middleware
 from .launch import STATE_KEY
@@ -85,7 +85,7 @@ class Backend:
 
 
 def _base(url: str) -> str:
-    from ..endpoint_client import base_url
+    from ...harness.endpoint_client import base_url
     return base_url(url, "--backend")
 
 
@@ -130,8 +130,8 @@ def build_router_app(backends: Sequence[str], policy: str | RouterPolicy = "roun
 
 
 def _tokenizer(model: str):
-    from ..model.registry import BUILT_IN, tokenizer_for
-    from ..model.trained import TRAINED_MODELS, trained_model_path
+    from ...model.registry import BUILT_IN, tokenizer_for
+    from ...model.trained import TRAINED_MODELS, trained_model_path
     source = trained_model_path(model.lower()) if model.lower() in TRAINED_MODELS else model
     tok = tokenizer_for(source if model.lower() not in BUILT_IN else model.lower())
     if tok is None:

@@ -43,7 +43,7 @@ import re
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 from prometheus_client import CONTENT_TYPE_LATEST  # noqa: F401  (the response's content type)
 
-from ..engine_stats import IterationStats, SchedulerStats
+from ...core.engine_stats import IterationStats, SchedulerStats
 
 PREFIX = "minibatch:"           # the default prefix
 disable_created_metrics()       # no "_created" series beside each counter (one process-wide switch)
@@ -107,7 +107,7 @@ def check_prefixes(prefixes) -> tuple[str, ...]:
 
 
 class PrometheusStatLogger:
-    """A stat logger for :class:`~minibatch_engine.async_llm.AsyncLLM` that
+    """A stat logger for :class:`~minibatch_engine.entrypoints.async_llm.AsyncLLM` that
     keeps the metrics above in its own registry (one per server), under each
     of ``prefixes`` (default ``minibatch:``). ``max_model_len`` bounds the
     token histograms' buckets."""

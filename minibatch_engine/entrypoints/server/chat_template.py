@@ -24,7 +24,7 @@ import json
 from pathlib import Path
 from typing import Callable
 
-from ..model.hf_tokenizer import BYTE_LEVEL_TEMPLATE
+from ...model.hf_tokenizer import BYTE_LEVEL_TEMPLATE
 
 
 

@@ -2,7 +2,7 @@
 
 :class:`SchedulerOutput` is the scheduler's decision, :class:`RunnerOutput` the
 runner's answer. Both hold only ints, strings, lists, tuples and small
-dataclasses of those (a :class:`~minibatch_engine.sampling.SamplingParams` is
+dataclasses of those (a :class:`~minibatch_engine.sampling.params.SamplingParams` is
 one; the step's grammar bitmask is a numpy array): no ``Request``, no tensor,
 no KV manager. Each scheduled request carries
 what the runner needs to compute it (its token ids, positions, block table,
@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .sampling import SamplingParams
-from .structured_output import GrammarBitmask
+from ..sampling.params import SamplingParams
+from ..sampling.structured_output import GrammarBitmask
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,7 +189,7 @@ class RunnerOutput:
     ``draft_shapes``: (new tokens, context after) of each sequence in each of the
     draft model's forwards, which the simulator prices. ``logprobs`` and
     ``prompt_logprobs``: for requests that ask for them, plain-list entries
-    (:mod:`minibatch_engine.logprobs`)."""
+    (:mod:`minibatch_engine.sampling.logprobs`)."""
     sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)
     spec_token_ids: dict[str, list[int]] = field(default_factory=dict)
@@ -198,7 +198,7 @@ class RunnerOutput:
     sample_s: float = 0.0       # wall seconds in sampling (and the copy to host)
     draft_s: float = 0.0        # wall seconds in the proposer
     draft_shapes: list[list[tuple[int, int]]] = field(default_factory=list)
-    # log-probabilities (minibatch_engine.logprobs): request id -> one entry per sampled token,
+    # log-probabilities (minibatch_engine.sampling.logprobs): request id -> one entry per sampled token,
     # and request id -> (first prompt position, entries) for the prompt tokens this step scored
     logprobs: dict[str, list] = field(default_factory=dict)
     prompt_logprobs: dict[str, tuple[int, list]] = field(default_factory=dict)

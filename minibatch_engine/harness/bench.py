@@ -8,8 +8,8 @@ import platform
 import numpy as np
 from tqdm.auto import tqdm
 
-from .config import EngineConfig
-from .engine import Engine
+from ..config import EngineConfig
+from ..core.engine import Engine
 from .metrics import (DEFAULT_PERCENTILES, SLO_METRICS, parse_goodput, parse_percentiles, percentiles, request_metrics,
                       serving_metrics, timings_from_trace)
 from .workload import make_workload, slo_of
@@ -17,7 +17,7 @@ from .workload import make_workload, slo_of
 
 def summarize(engine: Engine, requests, ps=DEFAULT_PERCENTILES, goodput=None) -> dict:
     """Run-level numbers from the trace and the requests: efficiency, memory,
-    and vLLM's latency/throughput metrics (see :mod:`minibatch_engine.metrics`)
+    and vLLM's latency/throughput metrics (see :mod:`minibatch_engine.harness.metrics`)
     at the percentiles ``ps``, with goodput when SLOs (ms) are given."""
     trace = engine.trace
     out_tokens = sum(r.num_output_tokens for r in requests)
@@ -68,7 +68,7 @@ def summarize(engine: Engine, requests, ps=DEFAULT_PERCENTILES, goodput=None) ->
         s["sim_seconds"] = trace.end_time("sim")
         s["sim_output_tokens_per_second"] = out_tokens / s["sim_seconds"]
     if engine.model is not None and engine.model.device.type == "cpu" and len(trace):
-        # the run against this CPU's limit for the model (minibatch_engine.machine_limit)
+        # the run against this CPU's limit for the model (minibatch_engine.harness.machine_limit)
         from .machine_limit import run_against_limit
         lim = run_against_limit(trace, engine.model_config, engine.model.dtype)
         s.update({f"machine_{k}": v for k, v in lim.items()})
@@ -148,7 +148,7 @@ def cpu_name() -> str:
 
 def warmup(model, steps: int = 4) -> None:
     """A few throwaway steps so first-call costs do not land in a timed run."""
-    from .sampling import SamplingParams
+    from ..sampling.params import SamplingParams
     eng = Engine(model, EngineConfig(max_num_seqs=2, max_model_len=64, kv_layout="reserved",
                                      max_num_batched_tokens=None))
     for i in range(2):
@@ -181,13 +181,13 @@ def run_bench(scheduler: str = "continuous", workload: str = "uniform", num_requ
     A class workload (``"mixed-classes"``) adds ``summary["per_class"]``, a
     multi-tenant one (``clients``: name -> requests/s) ``summary["per_client"]``
     (see :func:`group_summary`). SLO targets are the class's own (or
-    :data:`~minibatch_engine.workload.DEFAULT_SLO_TTFT_S` /
-    :data:`~minibatch_engine.workload.DEFAULT_SLO_E2E_S` for tenants);
+    :data:`~minibatch_engine.harness.workload.DEFAULT_SLO_TTFT_S` /
+    :data:`~minibatch_engine.harness.workload.DEFAULT_SLO_E2E_S` for tenants);
     ``slo_ttft_ms`` / ``slo_e2e_ms`` replace them for every request."""
     ps = parse_percentiles(percentiles)
     goodput = parse_goodput(goodput)
     if speculative_method is not None:
-        from .speculative.config import SpeculativeConfig
+        from ..speculative.config import SpeculativeConfig
         engine_options["speculative"] = SpeculativeConfig(
             speculative_method, num_speculative_tokens, sim_acceptance_rate=sim_acceptance_rate,
             draft_model=None if simulate_only or speculative_method != "draft_model" else (draft_model or "tiny"))
@@ -196,7 +196,7 @@ def run_bench(scheduler: str = "continuous", workload: str = "uniform", num_requ
     if simulate_only:
         m, vocab = None, 256
     else:
-        from .model.registry import resolve_model
+        from ..model.registry import resolve_model
         m = resolve_model(model, device=device, dtype=dtype, quantization=quantization)
         cfg.resolve(m.config)           # refuse a bad configuration before the warm-up
         vocab = min(256, m.config.vocab_size)

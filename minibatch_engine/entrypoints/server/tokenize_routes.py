@@ -124,7 +124,7 @@ def _token_str(tok, token_id: int) -> str:
     """One token as its tokenizer spells it (vLLM's ``token_strs``, Hugging
     Face's ``convert_ids_to_tokens``): a special token's text; a byte in GPT-2's
     printable alphabet (a newline is ``Ċ``); an ``HFTokenizer``'s vocabulary entry."""
-    from ..model.hf_tokenizer import byte_alphabet
+    from ...model.hf_tokenizer import byte_alphabet
     for text, i in getattr(tok, "special_tokens", {}).items():
         if i == token_id:
             return text

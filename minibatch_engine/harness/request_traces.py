@@ -141,7 +141,7 @@ def _parse_row(path, line: int, row: list[str], cols: list[int], previous: float
 
 @dataclass(frozen=True, eq=False)
 class TraceWorkload:
-    """A trace (already windowed) as a workload for :func:`~minibatch_engine.workload.make_workload`
+    """A trace (already windowed) as a workload for :func:`~minibatch_engine.harness.workload.make_workload`
     (and so for ``bench``, ``simulate`` and ``sweep``). ``time_scale``: arrivals
     that many times faster. ``clip``: shorten requests longer than
     ``max_model_len`` instead of refusing them. ``max_model_len``: the limit

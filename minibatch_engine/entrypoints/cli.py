@@ -10,19 +10,19 @@ import os
 import sys
 from contextlib import contextmanager
 
-from .attention import BACKENDS
-from .kv.config import KV_LAYOUTS
-from .kv.quant import KV_CACHE_DTYPES
-from .scheduler.config import SCHEDULER_NAMES
-from .scheduler.policy import POLICIES
-from .scheduler.preemption import PREEMPTION_MODES
-from .model.config import PRESETS
-from .sim import GPUS
-from .model.quantization import QUANTIZATION_METHODS
-from .sim.precision import WEIGHT_DTYPES
-from .speculative.config import SPEC_METHODS
-from .request_traces import TRACE_FILES
-from .workload import CLASS_WORKLOADS, DEFAULT_SLO_E2E_S, DEFAULT_SLO_TTFT_S, parse_clients, workload_names
+from ..attention import BACKENDS
+from ..kv.config import KV_LAYOUTS
+from ..kv.quant import KV_CACHE_DTYPES
+from ..scheduler.config import SCHEDULER_NAMES
+from ..scheduler.policy import POLICIES
+from ..scheduler.preemption import PREEMPTION_MODES
+from ..model.config import PRESETS
+from ..sim import GPUS
+from ..model.quantization import QUANTIZATION_METHODS
+from ..sim.precision import WEIGHT_DTYPES
+from ..speculative.config import SPEC_METHODS
+from ..harness.request_traces import TRACE_FILES
+from ..harness.workload import CLASS_WORKLOADS, DEFAULT_SLO_E2E_S, DEFAULT_SLO_TTFT_S, parse_clients, workload_names
 
 class FORMATTER(argparse.ArgumentDefaultsHelpFormatter):
     """Defaults in the help, unless the help already says what the default is."""
@@ -131,7 +131,7 @@ def _bench_args(p: argparse.ArgumentParser, simulate: bool, sweep: bool = False,
 
 
 def _trace_args(p: argparse.ArgumentParser, sweep: bool) -> None:
-    """Replaying a request trace (request_traces.py): which one, which window, how fast."""
+    """Replaying a request trace (harness/request_traces.py): which one, which window, how fast."""
     g = p.add_argument_group("trace replay (--workload azure-conv|azure-code, or --trace PATH)")
     g.add_argument("--trace", metavar="PATH", default=None,
                    help="replay this CSV (columns arrived_at,num_prefill_tokens,num_decode_tokens: seconds, "
@@ -236,9 +236,9 @@ def _workload_tail(p: argparse.ArgumentParser, simulate: bool, sweep: bool) -> N
 
 
 def _cluster_args(p: argparse.ArgumentParser) -> None:
-    from .cluster.link import LINKS
-    from .cluster.replicas import PREFIX_SOURCES
-    from .cluster.router import ROUTER_POLICIES
+    from ..cluster.link import LINKS
+    from ..cluster.replicas import PREFIX_SOURCES
+    from ..cluster.router import ROUTER_POLICIES
     g = p.add_argument_group("many engines (chapter 12)")
     g.add_argument("--replicas", type=positive_int, default=None, metavar="N",
                    help="N co-located engine replicas behind a router (default: one engine, no router)")
@@ -309,7 +309,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _access_args(p: argparse.ArgumentParser) -> None:
-    """serve's deployment options: API key, CORS, metric names (server/access.py, server/metrics.py)."""
+    """serve's deployment options: API key, CORS, metric names (entrypoints/server/access.py, entrypoints/server/metrics.py)."""
     g = p.add_argument_group("deployment (API key, CORS, metric names)")
     g.add_argument("--api-key", dest="server_api_key", nargs="+", default=None, metavar="KEY",
                    help="require 'Authorization: Bearer KEY' on /v1/* (401 otherwise; /health, /metrics, "
@@ -340,7 +340,7 @@ def _access_options(args) -> dict:
 
 
 def _route_args(sub) -> None:
-    from .cluster.router import ROUTER_POLICIES
+    from ..cluster.router import ROUTER_POLICIES
     rt = sub.add_parser("route", formatter_class=FORMATTER, help="route OpenAI's API over several servers",
                         description="An OpenAI-compatible router in front of several servers (minibatch-engine "
                                     "serve, vLLM, SGLang): each request goes to one backend, chosen by a "
@@ -371,7 +371,7 @@ def _route_args(sub) -> None:
 
 
 def _connection_args(p: argparse.ArgumentParser) -> None:
-    """What serve and route allow a client connection (server/limits.py)."""
+    """What serve and route allow a client connection (entrypoints/server/limits.py)."""
     g = p.add_argument_group("client connections (slow or idle clients cannot hold the server)")
     g.add_argument("--header-timeout", type=positive_float, default=30.0, metavar="S",
                    help="close a connection that has not sent a whole request head S seconds after it "
@@ -431,10 +431,10 @@ def main(argv=None) -> int:
 
 def _resolve_workload(args) -> None:
     """A synthetic workload's defaults (uniform, 64 requests), or a trace replay:
-    ``args.workload`` becomes the :class:`~minibatch_engine.request_traces.TraceWorkload`,
+    ``args.workload`` becomes the :class:`~minibatch_engine.harness.request_traces.TraceWorkload`,
     ``args.num_requests`` the count it replays."""
-    from .model.config import PRESETS
-    from .request_traces import trace_workload
+    from ..model.config import PRESETS
+    from ..harness.request_traces import trace_workload
     trace = args.trace if args.trace is not None else args.workload if args.workload in TRACE_FILES else None
     if trace is None:
         used = [f for f, v in (("--trace-start", args.trace_start != 0), ("--trace-duration", args.trace_duration),
@@ -507,8 +507,8 @@ def _writable(path: str, parent: str) -> bool:
 
 
 def _generate(args) -> int:
-    from .llm import LLM
-    from .sampling import SamplingParams
+    from ..llm import LLM
+    from ..sampling.params import SamplingParams
     llm = LLM(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
               scheduler=args.scheduler,
               max_num_seqs=max(1, len(args.prompts)), attention_backend=args.attention_backend,
@@ -541,7 +541,7 @@ def _engine_options(args) -> dict:
 def _spec_option(args) -> dict:
     if args.speculative_method is None:
         return {}
-    from .speculative.config import SpeculativeConfig
+    from ..speculative.config import SpeculativeConfig
     return {"speculative": SpeculativeConfig(args.speculative_method, args.num_speculative_tokens,
                                              draft_model=args.draft_model if args.speculative_method == "draft_model"
                                              else None)}
@@ -589,8 +589,8 @@ def _route(args) -> int:
 
 
 def _sweep(args) -> int:
-    from .metrics import parse_goodput, parse_percentiles
-    from .sweep import parse_rates, sweep
+    from ..harness.metrics import parse_goodput, parse_percentiles
+    from ..harness.sweep import parse_rates, sweep
     if args.endpoint is not None:
         return _sweep_endpoint(args)
     simulate = args.sim_gpu is not None
@@ -611,7 +611,7 @@ def _sweep(args) -> int:
 
 def _check_endpoint(args) -> None:
     """--endpoint: a well-formed URL, and no option that only the simulator reads."""
-    from .endpoint_client import base_url
+    from ..harness.endpoint_client import base_url
     base_url(args.endpoint, "--endpoint")
     sim = [f for f, v in (("--sim-gpu", args.sim_gpu), ("--sim-model", args.sim_model)) if v is not None]
     if sim:
@@ -620,9 +620,9 @@ def _check_endpoint(args) -> None:
 
 
 def _sweep_endpoint(args) -> int:
-    from .endpoint_client import sweep_endpoint
-    from .metrics import parse_goodput, parse_percentiles
-    from .sweep import parse_rates
+    from ..harness.endpoint_client import sweep_endpoint
+    from ..harness.metrics import parse_goodput, parse_percentiles
+    from ..harness.sweep import parse_rates
     _check_endpoint(args)
     rates, ps, slo = parse_rates(args.rates), parse_percentiles(args.percentiles), parse_goodput(args.goodput)
     rows = sweep_endpoint(args.endpoint, rates, model=args.model, workload=args.workload,
@@ -643,14 +643,14 @@ def _sweep_report(args, rows, ps, slo, label) -> int:
               + (f" {r['goodput']:>13.3g}" if slo else ""))
     print(f"rows: {args.jsonl} ({rows[0]['clock']} clock)")
     if args.plot:
-        from .book import plotting
+        from ..book import plotting
         fig = plotting.load_curves({label: rows}, slo_ms=slo, stat=f"p{p}")
         fig.savefig(args.plot, dpi=120, bbox_inches="tight")
     return 0
 
 
 def _bench(args, simulate: bool) -> int:
-    from .bench import format_report, run_bench, write_json
+    from ..harness.bench import format_report, run_bench, write_json
     if not simulate and args.endpoint is not None:
         return _bench_endpoint(args)
     if not simulate and args.vs_transformers:
@@ -674,7 +674,7 @@ def _bench(args, simulate: bool) -> int:
         write_json(summary, args.json)
         print(f"json: {args.json}")
     if args.plot:
-        from .book import plotting
+        from ..book import plotting
         paged = engine.config.kv_layout == "paged"     # resolved: never "auto" here
         fig = plotting.timeline(engine.trace, title=f"{args.scheduler} on {args.workload}",
                                 ylabel="first KV block" if paged else "KV row")
@@ -697,9 +697,9 @@ def _is_cluster(args) -> bool:
 
 def _cluster(args) -> int:
     import json
-    from .cluster import simulate_cluster
-    from .cluster.disagg import simulate_disaggregated
-    from .metrics import parse_percentiles
+    from ..cluster import simulate_cluster
+    from ..cluster.disagg import simulate_disaggregated
+    from ..harness.metrics import parse_percentiles
     if args.scheduler != "continuous" or args.clients or args.speculative_method:
         raise ValueError("a cluster runs continuous engines on one workload: drop --scheduler, --clients "
                          "and --speculative-method")
@@ -740,8 +740,8 @@ def _cluster(args) -> int:
 
 
 def _bench_endpoint(args) -> int:
-    from .bench import format_report, write_json
-    from .endpoint_client import bench_endpoint
+    from ..harness.bench import format_report, write_json
+    from ..harness.endpoint_client import bench_endpoint
     _check_endpoint(args)
     if args.clients or args.workload == "mixed-classes" or args.vs_transformers or args.plot:
         raise ValueError("--endpoint measures one stream of requests: drop --clients, --vs-transformers, "
@@ -757,8 +757,8 @@ def _bench_endpoint(args) -> int:
 
 
 def _vs_transformers(args) -> int:
-    from .bench import write_json
-    from .vs_transformers import compare, format_comparison, stored_difference
+    from ..harness.bench import write_json
+    from ..harness.vs_transformers import compare, format_comparison, stored_difference
     if args.device not in ("auto", "cpu") or args.dtype != "float32":
         raise ValueError("--vs-transformers runs on the CPU in float32: drop --device/--dtype")
     backend = args.attention_backend

@@ -20,7 +20,7 @@ import enum
 import numbers
 from dataclasses import dataclass, field
 
-from .sampling import SamplingParams
+from ..sampling.params import SamplingParams
 
 
 # A request's priority is a 32-bit signed integer, as in gRPC's and Kubernetes'

@@ -37,7 +37,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .sampling import SamplingParams
+from ..sampling.params import SamplingParams
 
 
 @dataclass
@@ -140,7 +140,7 @@ def _build_one_time_kernels(engine) -> None:
     fused small ops load them at their first call, inside the first forward."""
     runner = getattr(engine, "runner", None)
     if getattr(getattr(runner, "device", None), "type", None) == "cpu":
-        from .attention.cpu_kernel import cpu_kernel_or_none
+        from ..attention.cpu_kernel import cpu_kernel_or_none
         cpu_kernel_or_none()
 
 

@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import math
 
-from ..logprobs import as_dicts
-from ..structured_output import StructuredOutputsParams
+from ...sampling.logprobs import as_dicts
+from ...sampling.structured_output import StructuredOutputsParams
 
 MAX_LOGPROBS = 20               # vLLM's default --max-logprobs
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .sampling import SamplingParams
+from ..sampling.params import SamplingParams
 
 
 class LengthDist:
@@ -294,7 +294,7 @@ def make_workload(name: str | WorkloadSpec, num_requests: int, seed: int = 0, vo
     request's ``client_id`` names its conversation, a system-prompt request's
     ``request_class`` its system prompt. ``clients`` (name -> requests/s) makes a multi-tenant workload instead
     of ``arrival_rate``: lengths from ``name``, arrivals per client.
-    A trace replay (:class:`~minibatch_engine.request_traces.TraceWorkload`, any
+    A trace replay (:class:`~minibatch_engine.harness.request_traces.TraceWorkload`, any
     object with its ``make_requests``) makes its own requests; ``max_model_len``
     is the engine's limit, which it checks its lengths against.
     """

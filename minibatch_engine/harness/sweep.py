@@ -2,7 +2,7 @@
 
 Each rate is one run of the same seeded workload with arrivals at that mean
 rate (Poisson, or bursty with ``burstiness < 1``), summarised with vLLM's
-serving metrics (:mod:`minibatch_engine.metrics`). Plotted against the rate,
+serving metrics (:mod:`minibatch_engine.harness.metrics`). Plotted against the rate,
 latency stays flat while the engine keeps up, bends at the *knee*, and then
 climbs without bound once arrivals outpace service: queues only grow. Goodput,
 the rate of requests that meet the SLO, rises with the rate and then falls.
@@ -21,7 +21,7 @@ Two ways to run a rate:
 * the simulator (``sim_gpu``, ``sim_model``): the engine's clock is the
   cost model's, arrivals are released on it: deterministic, fast, any
   GPU;
-* the real model on the wall clock, through :class:`~minibatch_engine.async_llm.AsyncLLM`
+* the real model on the wall clock, through :class:`~minibatch_engine.entrypoints.async_llm.AsyncLLM`
   and the open-loop client: requests are sent at their arrival times whether
   or not earlier ones have returned, and latencies are what the client saw.
 """
@@ -77,7 +77,7 @@ def steady_metrics(timings: Sequence[RequestTiming], goodput=None, warmup: float
     * ``steady_request_throughput``: requests whose last token came in the
       window, per second: the load that was served;
     * ``steady_output_throughput``: output tokens that came in the window, per second;
-    * with SLOs (ms, as :func:`~minibatch_engine.metrics.parse_goodput`),
+    * with SLOs (ms, as :func:`~minibatch_engine.harness.metrics.parse_goodput`),
       ``steady_slo_attainment``: the share of the window's arrivals that met
       every SLO, and ``steady_goodput``: those requests per second (attainment
       times the offered rate), vLLM's goodput over the window.
@@ -116,11 +116,11 @@ async def realtime_bench(model, workload: str = "uniform", num_requests: int = 3
                          goodput=None, progress: Callable[[int], None] | None = None,
                          warmup: float = STEADY_WARMUP, **engine_options) -> tuple[dict, object]:
     """One rate on the real model, on the wall clock, through ``AsyncLLM`` and
-    :func:`~minibatch_engine.async_llm.open_loop`. ``model`` is a built model
+    :func:`~minibatch_engine.entrypoints.async_llm.open_loop`. ``model`` is a built model
     (reused across rates). Returns (summary, engine): the engine's own keys
     (steps, η, KV, ...) plus vLLM's latency keys as the client measured them,
     and the steady-state keys (:func:`steady_metrics`, warm-up ``warmup``)."""
-    from .async_llm import AsyncLLM, open_loop
+    from ..entrypoints.async_llm import AsyncLLM, open_loop
     ps, slo = parse_percentiles(percentiles), parse_goodput(goodput)
     specs = make_workload(workload, num_requests, seed=seed, vocab_size=min(256, model.config.vocab_size),
                           arrival_rate=rate, burstiness=burstiness)
@@ -154,7 +154,7 @@ def sweep(rates: Iterable[float], *, simulate: bool = True, model="tiny", device
     """Run every rate and return one summary row per rate (each also appended
     to the JSON-lines file ``jsonl`` as soon as it is done). ``simulate``: the
     simulator alone (``sim_gpu``, ``sim_model`` in ``bench_options``); else the
-    real model on the wall clock. ``bench_options`` are :func:`~minibatch_engine.bench.run_bench`'s
+    real model on the wall clock. ``bench_options`` are :func:`~minibatch_engine.harness.bench.run_bench`'s
     (``scheduler``, ``workload``, ``num_requests``, ``max_batch``, ``seed``,
     ``burstiness``, ``percentiles``, ``goodput``) and engine options. Each row
     has vLLM's keys over the whole run and the ``steady_*`` keys over the
@@ -174,7 +174,7 @@ def sweep(rates: Iterable[float], *, simulate: bool = True, model="tiny", device
     out = open(jsonl, "w") if jsonl else None
     m = None
     if not simulate:
-        from .model.registry import resolve_model
+        from ..model.registry import resolve_model
         m = resolve_model(model, device=device, dtype=dtype)
         warm_up_model(m)
     try:
