@@ -223,6 +223,26 @@ def test_architecture_page_names_real_paths():
     assert not missing, f"book/architecture.md names paths missing from minibatch_engine/ (or tools/): {missing}"
 
 
+
+def test_architecture_page_names_each_folders_owner():
+    """The page's "package at a glance" table has a row, with an owner, for every
+    folder of the package, and the root holds at most three modules besides
+    __init__.py (issue 43: the folders show the architecture)."""
+    text = (ROOT / "book" / "architecture.md").read_text()
+    table = text.split("## The package at a glance", 1)[1].split("\n## ", 1)[0]
+    rows = {}
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].startswith("`"):
+            rows[cells[0].strip("`")] = cells[2]
+    package = ROOT / "minibatch_engine"
+    folders = {p.name + "/" for p in package.iterdir() if (p / "__init__.py").is_file()}
+    assert folders == set(rows), f"folders without a row: {sorted(folders - set(rows))}, " \
+                                 f"rows without a folder: {sorted(set(rows) - folders)}"
+    assert all(rows.values()), "every folder's row names its owner"
+    root_modules = sorted(p.name for p in package.glob("*.py") if p.name != "__init__.py")
+    assert len(root_modules) <= 3, root_modules
+
 # --- the simulator's validation page (issue 26) ------------------------------------------------
 
 def test_simulator_validation_page_is_in_the_book_and_rerun_by_nbval():
