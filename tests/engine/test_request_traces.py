@@ -39,8 +39,8 @@ def test_traces_ship_as_package_data_with_their_readme_and_licence():
     files = {p.name for p in resources.files("minibatch_engine").joinpath("harness/traces").iterdir()}
     assert files >= {*TRACE_FILES.values(), "README.md", "LICENSE.vidur"}
     config = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    patterns = config["tool"]["setuptools"]["package-data"]["minibatch_engine.harness.traces"]
-    unshipped = [f for f in files if not any(Path(f).match(p) for p in patterns)]
+    patterns = config["tool"]["setuptools"]["package-data"]["minibatch_engine.harness"]
+    unshipped = [f for f in files if not any(Path("traces", f).match(p) for p in patterns)]
     assert not unshipped, f"not shipped by pyproject.toml package-data: {unshipped}"
 
 
