@@ -33,7 +33,7 @@ import numpy as np
 
 from .workload import RequestSpec
 
-TRACE_DIR = Path(__file__).resolve().parent / "harness" / "traces"
+TRACE_DIR = Path(__file__).resolve().parent / "traces"
 TRACE_FILES = {"azure-conv": "azure_conv_2023.csv", "azure-code": "azure_code_2023.csv"}
 COLUMNS = ("arrived_at", "num_prefill_tokens", "num_decode_tokens")
 

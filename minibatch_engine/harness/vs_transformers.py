@@ -184,7 +184,7 @@ def compare(model="tiny", num_requests: int = 64, batch: int = 64, seed: int = 0
 
 
 #: the run committed with the book (``minibatch-engine bench --vs-transformers --json``)
-STORED = Path(__file__).resolve().parents[1] / "benchmarks" / "vs_transformers.json"
+STORED = Path(__file__).resolve().parents[2] / "benchmarks" / "vs_transformers.json"
 
 
 def _stored() -> dict | None:
