@@ -117,10 +117,12 @@ nbval: $(TEST_STAMP) $(KERNEL_CFG) kernels  ## re-run every chapter and compare 
 	  $(filter-out $(NBVAL_ALONE),$(NBVAL_PARALLEL)) -- $(filter $(NBVAL_ALONE),$(NOTEBOOKS))
 
 # `make test` runs its parts in turn, each a make target, and ends with a table
-# of their times (up to the part that failed, when one fails).
-TEST_PARTS := setup=install-test,site-assets,$(KERNEL_CFG) kernels=kernels unit=unit slow-tests=test-slow nbval=nbval \
-              build=build site-check=site-check-if-browser,SITE_BUILT=1
-test:  ## setup, C++ kernels, unit and slow tests, nbval, the -W build, the browser check; then their times
+# of their times (up to the part that failed, when one fails). The setup part
+# compiles the C++ kernels while pip and npm download (-j2): the kernels need
+# only the base install, and a download leaves the cores idle.
+TEST_PARTS := setup=-j2,install-test,site-assets,$(KERNEL_CFG),kernels unit=unit slow-tests=test-slow \
+              nbval=nbval build=build site-check=site-check-if-browser,SITE_BUILT=1
+test:  ## setup (with the C++ kernels), unit and slow tests, nbval, the -W build, the browser check; then their times
 	@status=0; times=""; start=$$(date +%s); \
 	for part in $(TEST_PARTS); do \
 	  t0=$$(date +%s); \

@@ -40,7 +40,17 @@ for nb in "$@"; do
   i=$((i + 1))
   if [ $seen_sep -eq 0 ]; then parallel="$parallel $i $nb"; else alone="$alone $i $nb"; fi
 done
+# Side by side, each notebook gets one PyTorch thread (unless OMP_NUM_THREADS says
+# otherwise): two notebooks with a thread per core each leave threads spinning at
+# OpenMP's barriers while the other notebook holds the core (chapter 9 took 93 s
+# beside another notebook with two threads, 37 s with one). No stored output a
+# notebook checks may depend on its thread count (the engine picks it from the
+# free cores, so it varies anyway). The ALONE notebooks get the setting the
+# caller had.
+saved_threads=${OMP_NUM_THREADS:-}
+[ "$jobs" -le 1 ] || export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 [ -z "$parallel" ] || printf '%s\n' $parallel | xargs -n 2 -P "$jobs" sh -c "$one" sh
+[ -n "$saved_threads" ] && export OMP_NUM_THREADS="$saved_threads" || unset OMP_NUM_THREADS
 [ -z "$alone" ] || printf '%s\n' $alone | xargs -n 2 -P 1 sh -c "$one" sh
 
 echo
