@@ -7,7 +7,8 @@
 Data: ``data/gpu-profiles/`` (CUDA-timed layers from the Vidur project, MIT
 licence; see its README): per (tokens, tensor-parallel degree) the median time
 of each operator of one layer, on H100 and A100, for Llama-2-7B and phi-2
-shapes; and all-reduce times on an 8x H100 NVLink machine.
+shapes; all-reduce times on an 8x H100 NVLink machine; and point-to-point
+send/recv times between two H100s, within a node and across two nodes.
 
 What is fitted, with the formulas of ``minibatch_engine/sim/operators.py``
 (the engine's own code, so the fit and the simulator cannot drift apart):
@@ -17,7 +18,10 @@ What is fitted, with the formulas of ``minibatch_engine/sim/operators.py``
 * memory-bound operators: per operator an efficiency and a fixed time, shared
   by the GPUs, and a pooled pair for operators never measured;
 * all-reduce: per GPU count a fixed time and a bus bandwidth, stored as a
-  fraction of the measured machine's NVLink bandwidth so other GPUs scale.
+  fraction of the measured machine's NVLink bandwidth so other GPUs scale;
+* send/recv (the pipeline-parallel hand-over): a fixed time and a bandwidth
+  within a node (a fraction of NVLink, like the all-reduce) and across nodes
+  (bytes/s of the network between two GPUs: not a GPU property).
 
 Criterion: the mean pseudo-Huber loss of log(predicted / measured) with a 5%
 knee: each row counts by its relative error, and the +-30% jumps where the
@@ -104,6 +108,17 @@ def load_all_reduce(data: Path):
     return table(rows)
 
 
+def load_send_recv(data: Path):
+    """Point-to-point rows: ``devices_per_node`` 2 = both GPUs in one node, 1 = across nodes."""
+    rows = []
+    for folder, gpu_name in ALL_REDUCE_GPU.items():
+        for row in read_csv(data / "network" / folder / "send_recv.csv"):
+            rows.append(dict(across=int(row["devices_per_node"]) == 1, size=float(row["size"]),
+                             y=float(row["time_stats.send_recv.median"]) * 1e-3,
+                             link=get_gpu(gpu_name).nvlink_bandwidth))
+    return table(rows)
+
+
 def table(rows: list[dict]) -> SimpleNamespace:
     return SimpleNamespace(**{k: np.array([r[k] for r in rows]) for k in rows[0]})
 
@@ -185,6 +200,12 @@ def fit_all_reduce(A, mask) -> tuple[float, float]:
     return float(a * 1e-6), float(frac)
 
 
+def fit_send_recv(P, mask) -> tuple[float, float]:
+    """(alpha seconds, bandwidth in bytes/s) of ``alpha + bytes / bandwidth``."""
+    a, gbps = fit_positive(lambda x: loss(x[0] * 1e-6 + P.size[mask] / (x[1] * 1e9), P.y[mask]), (10.0, 50.0))
+    return float(a * 1e-6), float(gbps * 1e9)
+
+
 def errors(pred, meas) -> dict:
     e = np.abs(pred / meas - 1)
     return {"rows": int(e.size), "median": round(float(np.median(e)), 4),
@@ -237,6 +258,15 @@ def calibrate(data: Path) -> dict:
             traffic = 2 * (n - 1) / n * A.size[m]
             ar_errors[f"{n} GPUs, {label}"] = errors(alpha + traffic / (frac * A.link[m]), A.y[m])
 
+    P = load_send_recv(data)
+    within, across = fit_send_recv(P, ~P.across), fit_send_recv(P, P.across)
+    link = float(P.link[0])
+    sr_errors = {}
+    for name, mask, (alpha, bw) in (("within a node", ~P.across, within), ("across nodes", P.across, across)):
+        for label, lo, hi in (("under 1 MiB", 0, 2**20), ("1-8 MiB", 2**20, 2**23), ("8 MiB and more", 2**23, np.inf)):
+            m = mask & (P.size >= lo) & (P.size < hi)
+            sr_errors[f"{name}, {label}"] = errors(alpha + P.size[m] / bw, P.y[m])
+
     readme = (data / "README.md").read_text()
     commit = re.search(r"commit\s+`?([0-9a-f]{7,40})`?", readme)
     files = sorted(p for p in data.rglob("*.csv"))
@@ -249,8 +279,14 @@ def calibrate(data: Path) -> dict:
             "shared": {"alpha_s": shared[0], "busbw_fraction": shared[1]},
             "measured_on": "8x H100-SXM (DGX, NVLink 450 GB/s each direction); busbw_fraction is of that",
         },
+        "send_recv": {
+            "within_node": {"alpha_s": within[0], "bandwidth_fraction": within[1] / link},
+            "across_nodes": {"alpha_s": across[0], "bandwidth_Bps": across[1]},
+            "measured_on": "2 H100-SXM (DGX): in one node over NVLink (bandwidth_fraction is of 450 GB/s) "
+                           "and in two nodes over the network (bandwidth_Bps, bytes/s)",
+        },
         "errors": {"projections": projections, "projections by file and operator": per_op,
-                   "small operators": small_errors, "all-reduce": ar_errors},
+                   "small operators": small_errors, "all-reduce": ar_errors, "send/recv": sr_errors},
         "provenance": {
             "data": "data/gpu-profiles: microsoft/vidur data/profiling, MIT licence (LICENSE.vidur)",
             "data_commit": commit.group(1) if commit else None,
@@ -264,7 +300,7 @@ def calibrate(data: Path) -> dict:
 
 
 def fitted_constants(result: dict) -> dict:
-    return {k: result[k] for k in ("gemm", "small_ops", "all_reduce")}
+    return {k: result[k] for k in ("gemm", "small_ops", "all_reduce", "send_recv")}
 
 
 def main(argv=None) -> int:

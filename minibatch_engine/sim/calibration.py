@@ -43,6 +43,7 @@ class Calibration:
     t0_s: float
     small_ops: dict[str, tuple[float, float]]
     all_reduce: dict[object, tuple[float, float]]
+    send_recv: dict[str, tuple[float, float]] = field(default_factory=dict)
     attention_e_compute: float = 0.5
     attention_e_memory: float = 0.7
     launch_s: float = 10e-6
@@ -56,9 +57,14 @@ class Calibration:
         ar = data["all_reduce"]
         all_reduce = {int(n): (v["alpha_s"], v["busbw_fraction"]) for n, v in ar["per_gpu_count"].items()}
         all_reduce["shared"] = (ar["shared"]["alpha_s"], ar["shared"]["busbw_fraction"])
+        sr = data.get("send_recv", {})
+        send_recv = {}
+        if sr:
+            send_recv = {"within_node": (sr["within_node"]["alpha_s"], sr["within_node"]["bandwidth_fraction"]),
+                         "across_nodes": (sr["across_nodes"]["alpha_s"], sr["across_nodes"]["bandwidth_Bps"])}
         return cls(e_compute=g["e_compute"], e_memory=g["e_memory"], p=g["p"], t0_s=g["t0_s"],
                    small_ops={op: (v["e"], v["t0_s"]) for op, v in data["small_ops"].items()},
-                   all_reduce=all_reduce, provenance=data.get("provenance", {}))
+                   all_reduce=all_reduce, send_recv=send_recv, provenance=data.get("provenance", {}))
 
 
 @functools.cache
