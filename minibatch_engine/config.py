@@ -111,6 +111,12 @@ class EngineConfig:
         ``"auto"`` (bf16), ``"fp8"`` or ``"int4"`` (:mod:`minibatch_engine.sim.precision`):
         fewer bytes read per step and more memory left for KV. Priced by bytes
         alone; no fp8 or int4 GEMM was measured.
+    pipeline_parallel_size: simulator only: the layers split into this many
+        stages, each on ``tensor_parallel_size`` GPUs (8 to a node); a step's
+        sequences go through them as micro-batches kept in flight (vLLM's
+        virtual engines), activations handed over between stages at the
+        measured send/recv speed (:mod:`minibatch_engine.sim.pipeline`); the KV
+        memory is that of all the GPUs.
     """
     scheduler: str = "continuous"
     max_num_seqs: int = 256
@@ -141,6 +147,7 @@ class EngineConfig:
     step_overhead_s: float = 1e-3
     tensor_parallel_size: int = 1
     sim_weight_dtype: str = "auto"
+    pipeline_parallel_size: int = 1
 
     def __post_init__(self):
         self.scheduler_config, self.cache_config, self.runner_config, self.sim_config   # each validates itself

@@ -75,7 +75,15 @@ class Engine:
         if cfg.tensor_parallel_size > 1 and (model is not None or not cfg.sim_gpu):
             raise ValueError("tensor parallelism is simulated only: tensor_parallel_size > 1 needs the simulator "
                              "alone (no model, sim_gpu and sim_model)")
+        if cfg.pipeline_parallel_size > 1 and (model is not None or not cfg.sim_gpu):
+            raise ValueError("pipeline parallelism is simulated only: pipeline_parallel_size > 1 needs the "
+                             "simulator alone (no model, sim_gpu and sim_model)")
+        if (cfg.pipeline_parallel_size > 1 and cfg.speculative is not None
+                and cfg.speculative.method == "draft_model"):
+            raise ValueError("pipeline_parallel_size > 1 with a draft model is not simulated (where the draft "
+                             "runs is a choice the simulator does not make); use pipeline_parallel_size 1")
         self.cost_model = (CostModel(get_gpu(cfg.sim_gpu), sim_cfg, tensor_parallel_size=cfg.tensor_parallel_size,
+                                     pipeline_parallel_size=cfg.pipeline_parallel_size,
                                      step_overhead_s=cfg.step_overhead_s, cuda_graphs=cfg.cuda_graphs,
                                      **self._sim_dtypes())
                            if cfg.sim_gpu else None)
@@ -130,6 +138,15 @@ class Engine:
         tp, gpu = cm.tp, cm.gpu
         weights = cm.weight_bytes + (self.draft_cost_model.weight_bytes if self.draft_cost_model else 0)
         usable = cfg.gpu_memory_utilization * gpu.memory_bytes
+        if cm.pp > 1:                    # no draft model here (refused above)
+            if cm.weight_bytes_per_gpu > usable:
+                need = -(-weights // int(usable))
+                raise ValueError(f"{cm.model.name}'s weights take {weights / 1e9:.1f} GB, "
+                                 f"{cm.weight_bytes_per_gpu / 1e9:.1f} GB on the fullest of {tp * cm.pp} "
+                                 f"{gpu.name} (tensor_parallel_size {tp} x pipeline_parallel_size {cm.pp}): "
+                                 f"more than the {usable / 1e9:.1f} GB usable on each (gpu_memory_utilization "
+                                 f"{cfg.gpu_memory_utilization}); {need} or more GPUs would fit them")
+            return cm.kv_memory_bytes(usable)
         if weights / tp > usable:
             need = -(-weights // int(usable))
             raise ValueError(f"{cm.model.name}'s weights{' and the draft' if self.draft_cost_model else ''} take "

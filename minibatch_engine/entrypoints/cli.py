@@ -158,6 +158,10 @@ def _sim_args(p: argparse.ArgumentParser, simulate: bool) -> None:
                    help="model shape the simulator prices")
     p.add_argument("--tp", type=positive_int, default=1, metavar="N",
                    help="simulator only: tensor parallelism over N GPUs (weights, KV heads, projections sharded)")
+    p.add_argument("--pp", type=positive_int, default=1, metavar="N",
+                   help="simulator only: pipeline parallelism over N stages of layers, each on --tp GPUs (8 GPUs "
+                        "to a node); micro-batches kept in flight as vLLM's virtual engines, hand-overs priced "
+                        "from the measured send/recv")
     p.add_argument("--weight-dtype", choices=list(WEIGHT_DTYPES), default="auto",
                    help="simulator only: the projection weights' dtype it prices (auto = bf16; fp8; int4 with "
                         "a scale and zero per 128 weights): fewer bytes read per decode step, more memory "
@@ -464,7 +468,7 @@ def _resolve_workload(args) -> None:
 # the engine's field names, as the engine's own checks name them -> the flags that set them
 FLAG_OF_FIELD = {"max_num_seqs": "--max-batch", "max_model_len": "--max-model-len", "kv_budget_bytes": "--kv-budget",
                  "block_size": "--block-size", "max_num_batched_tokens": "--max-num-batched-tokens",
-                 "tensor_parallel_size": "--tp", "swap_space_bytes": "--swap-space",
+                 "tensor_parallel_size": "--tp", "pipeline_parallel_size": "--pp", "swap_space_bytes": "--swap-space",
                  "priority_aging_s": "--priority-aging-s", "num_speculative_tokens": "--num-speculative-tokens",
                  "preemption_mode": "--preemption", "kv_layout": "--kv"}
 
@@ -530,6 +534,7 @@ def _engine_options(args) -> dict:
     return dict(kv_layout=args.kv or "auto", kv_budget_bytes=args.kv_budget, block_size=args.block_size,
                 kv_cache_dtype=args.kv_cache_dtype,
                 tensor_parallel_size=getattr(args, "tp", 1),
+                pipeline_parallel_size=getattr(args, "pp", 1),
                 sim_weight_dtype=getattr(args, "weight_dtype", "auto"),
                 enable_prefix_caching=not args.no_prefix_caching,
                 max_num_batched_tokens="auto" if args.max_num_batched_tokens is None else args.max_num_batched_tokens,

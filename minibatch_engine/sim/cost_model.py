@@ -29,6 +29,13 @@ input preparation, and a launch cost per kernel. Launches run ahead of the
 GPU, so the GPU's time and the launches overlap; a CUDA graph replaces a
 decode step's launches by one. With ``async_scheduling`` the next step is
 scheduled while the GPU runs, so the host's work hides behind the GPU's.
+
+Pipeline parallelism (``pipeline_parallel_size`` > 1) splits the layers into
+stages (:mod:`.pipeline` says how, and which schedule prices a step); each
+stage is ``tensor_parallel_size`` GPUs. GPUs sit ``gpus_per_node`` to a node,
+stages in order: an all-reduce within a node runs on NVLink, one spanning
+nodes on the network (extrapolated, :mod:`.operators`), and a hand-over
+between stages on whichever link joins them.
 """
 from __future__ import annotations
 
@@ -37,9 +44,12 @@ import math
 from ..model.config import ModelConfig
 from .calibration import Calibration, default_calibration
 from .hardware import GPU
-from .operators import (BYTES, all_reduce_time, check_tensor_parallel, gemm_time, layer_op_time, projection_shape,
-                        small_op_bytes, small_op_time)
-from .precision import kv_bytes_per_token_head, weight_bytes, weight_bytes_per_element
+from .operators import (BYTES, GPUS_PER_NODE, all_reduce_time, check_tensor_parallel, gemm_time, layer_op_time,
+                        projection_shape, send_recv_time, small_op_bytes, small_op_time)
+from .pipeline import (HANDOVER_TENSORS, PipelineTiming, handover_crosses_nodes, pipeline_time, split_microbatches,
+                       stage_layers)
+from .precision import (ACTIVATION_BYTES, kv_bytes_per_token_head, projection_parameters, weight_bytes,
+                        weight_bytes_per_element)
 from .roofline import RooflineCostModel, StepCost
 
 KERNELS_PER_LAYER = 12     # two norms, QKV, RoPE, KV write, attention, O, two adds, up, activation, down
@@ -47,7 +57,8 @@ KERNELS_PER_STEP = 5       # embedding, final norm, LM head, sampling, the copy 
 
 
 class CostModel:
-    """Seconds for one step of ``model`` on ``tensor_parallel_size`` GPUs of one kind.
+    """Seconds for one step of ``model`` on ``tensor_parallel_size`` x
+    ``pipeline_parallel_size`` GPUs of one kind, ``gpus_per_node`` to a node.
 
     ``step_overhead_s``: the host's scheduling and input preparation per step.
     ``cuda_graphs``: decode-only steps replay a graph (one launch).
@@ -61,9 +72,11 @@ class CostModel:
     def __init__(self, gpu: GPU, model: ModelConfig, tensor_parallel_size: int = 1,
                  step_overhead_s: float = 1e-3, cuda_graphs: bool = True, async_scheduling: bool = False,
                  calibration: Calibration | None = None, kv_cache_dtype: str = "auto",
-                 weight_dtype: str = "auto"):
+                 weight_dtype: str = "auto", pipeline_parallel_size: int = 1, gpus_per_node: int = GPUS_PER_NODE):
         check_tensor_parallel(model, tensor_parallel_size)
-        self.gpu, self.model, self.tp = gpu, model, tensor_parallel_size
+        self.stage_layers = stage_layers(model.num_layers, pipeline_parallel_size)   # checks pp
+        self.gpu, self.model, self.tp, self.pp = gpu, model, tensor_parallel_size, pipeline_parallel_size
+        self.gpus_per_node = gpus_per_node
         self.step_overhead_s, self.cuda_graphs, self.async_scheduling = step_overhead_s, cuda_graphs, async_scheduling
         self.cal = calibration or default_calibration()
         self.kv_cache_dtype, self.weight_dtype = kv_cache_dtype, weight_dtype
@@ -74,7 +87,9 @@ class CostModel:
         self.weight_bytes = self.roofline.weight_bytes                     # all GPUs together
         self.kv_bytes_per_token = self.roofline.kv_bytes_per_token         # all layers, all GPUs
         self.linear_params = self.roofline.linear_params                   # parameters in the projections
-        self.weight_bytes_per_gpu = self.weight_bytes / tensor_parallel_size
+        self.stage_weight_bytes = self._stage_weight_bytes()                # each stage's, its tp GPUs together
+        self.weight_bytes_per_gpu = (self.weight_bytes / tensor_parallel_size if pipeline_parallel_size == 1
+                                     else max(self.stage_weight_bytes) / tensor_parallel_size)   # the fullest GPU
         tp, m = tensor_parallel_size, model
         # KV heads are split across the GPUs, or replicated when there are fewer heads than GPUs
         self.kv_heads_per_gpu = math.ceil(m.num_kv_heads / tp)
@@ -94,7 +109,7 @@ class CostModel:
         small += small_op_time("kv_write", tokens * self.kv_bytes_per_token_layer * 2, gpu, cal)   # read + write
         return {"projections": sum(gemm_time(tokens, N, K, gpu, cal, self.weight_elem) for K, N in self._projections),
                 "small operators": small,
-                "all-reduce": 2 * all_reduce_time(tokens * m.hidden_size * BYTES, tp, gpu, cal)}
+                "all-reduce": 2 * all_reduce_time(tokens * m.hidden_size * BYTES, tp, gpu, cal, self.gpus_per_node)}
 
     def attention_seconds(self, shapes: list[tuple[int, int]]) -> float:
         """One layer's attention kernel over every sequence of the step."""
@@ -114,12 +129,16 @@ class CostModel:
                               + small_op_time("input_layernorm", small_op_bytes("input_layernorm", m, tokens),
                                               gpu, cal))
         lm_head = gemm_time(rows, m.vocab_size // self.tp, m.hidden_size, gpu, cal)
-        lm_head += all_reduce_time(rows * m.vocab_size * BYTES / 2, self.tp, gpu, cal)   # gather ~ half a reduce
+        lm_head += all_reduce_time(rows * m.vocab_size * BYTES / 2, self.tp, gpu, cal,
+                                   self.gpus_per_node)   # gather ~ half a reduce
         sampling = small_op_time("sampling", rows * m.vocab_size * 4 * 2, gpu, cal)     # fp32 logits, two passes
         return {"embedding and final norm": norm_and_embedding, "LM head": lm_head, "sampling": sampling}
 
     def gpu_seconds(self, shapes: list[tuple[int, int]], logits_rows: int | None = None) -> dict[str, float]:
-        """The GPU's seconds for a step, by part."""
+        """The GPU's seconds for a step, by part (with pipeline stages: the
+        stages' average by part, and the ``"pipeline bubble"``)."""
+        if self.pp > 1:
+            return self._pipeline(shapes, logits_rows)[1]
         tokens = sum(q for q, _ in shapes)
         rows = len(shapes) if logits_rows is None else logits_rows
         layers = self.model.num_layers
@@ -128,19 +147,132 @@ class CostModel:
         parts.update(self._once_seconds(tokens, rows))
         return parts
 
+    # --- pipeline parallelism -----------------------------------------------------------
+    def _stage_weight_bytes(self) -> tuple[float, ...]:
+        """Bytes of weights each stage holds (its ``tp`` GPUs together): its
+        layers, the embedding on the first, the final norm and the LM head on the
+        last (tied embeddings: the last stage keeps its own copy when ``pp`` > 1)."""
+        m, L = self.model, self.model.num_layers
+        final_norm = 2 * m.hidden_size if m.family == "gpt2" else m.hidden_size
+        projections = projection_parameters(m) / L
+        rest = (m.num_parameters(include_embeddings=False) - final_norm) / L - projections
+        per_layer = projections * self.weight_elem + rest * ACTIVATION_BYTES
+        embeddings = (m.num_parameters() - m.num_parameters(include_embeddings=False)) * ACTIVATION_BYTES
+        head = m.vocab_size * m.hidden_size * ACTIVATION_BYTES
+        first = embeddings - (0 if m.tie_word_embeddings else head)
+        last = head + final_norm * ACTIVATION_BYTES
+        if self.pp == 1:
+            return (float(self.weight_bytes),)
+        return tuple(n * per_layer + (first if s == 0 else 0) + (last if s == self.pp - 1 else 0)
+                     for s, n in enumerate(self.stage_layers))
+
+    def kv_memory_bytes(self, usable_per_gpu: float) -> int:
+        """KV memory of all the GPUs when each has ``usable_per_gpu`` bytes: what is
+        left beside the weights. A token's KV lives on every stage (its layers'
+        share), so the fullest stage, per layer, sets how many tokens fit."""
+        if self.pp == 1:
+            return int(self.tp * usable_per_gpu - self.weight_bytes)
+        L = self.model.num_layers
+        return int(min((self.tp * usable_per_gpu - w) * L / n
+                       for w, n in zip(self.stage_weight_bytes, self.stage_layers)))
+
+    def _microbatch_seconds(self, shapes, rows: int) -> dict[str, dict[str, float]]:
+        """One micro-batch's seconds by part: per layer, on the first stage only,
+        and on the last stage only."""
+        gpu, cal, m = self.gpu, self.cal, self.model
+        tokens = sum(q for q, _ in shapes)
+        layer = self._layer_seconds(tokens)
+        layer["attention"] = self.attention_seconds(shapes)
+        once = self._once_seconds(tokens, rows)
+        embedding = small_op_time("emb", small_op_bytes("emb", m, tokens), gpu, cal)
+        last = {"embedding and final norm": once["embedding and final norm"] - embedding,
+                "LM head": once["LM head"], "sampling": once["sampling"]}
+        return {"layer": layer, "first": {"embedding and final norm": embedding}, "last": last}
+
+    def _handover_seconds(self, stage: int, tokens: int) -> float:
+        """One micro-batch's activations from ``stage`` to the next: each of the
+        ``tp`` GPU pairs sends its 1/tp share at once (as vLLM splits it), then
+        the receiving stage all-gathers them (priced as half an all-reduce)."""
+        nbytes = HANDOVER_TENSORS * tokens * self.model.hidden_size * BYTES
+        across = handover_crosses_nodes(stage, self.tp, self.gpus_per_node)
+        gather = all_reduce_time(nbytes, self.tp, self.gpu, self.cal, self.gpus_per_node) / 2
+        return send_recv_time(nbytes / self.tp, self.gpu, across, self.cal) + gather
+
+    def _pipeline(self, shapes, logits_rows=None, microbatches=None, schedule="steady"):
+        """The step's :class:`PipelineTiming`, and the GPU seconds by part (the
+        stages' average, plus the bubble) that add up to its seconds."""
+        m = min(self.pp, len(shapes)) if microbatches is None else microbatches
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
+        batches = split_microbatches(shapes, m)
+        rows = len(shapes) if logits_rows is None else logits_rows
+        share = [rows * len(b) // len(shapes) for b in batches]
+        share[0] += rows - sum(share)
+        per = [self._microbatch_seconds(b, r) for b, r in zip(batches, share)]
+        last_stage = self.pp - 1
+        stage_parts = []
+        for s, layers in enumerate(self.stage_layers):
+            parts: dict[str, float] = {}
+            for p in per:
+                for name, sec in p["layer"].items():
+                    parts[name] = parts.get(name, 0.0) + layers * sec
+                for which in (("first",) if s == 0 else ()) + (("last",) if s == last_stage else ()):
+                    for name, sec in p[which].items():
+                        parts[name] = parts.get(name, 0.0) + sec
+            stage_parts.append(parts)
+        t = [[sum(layers * v for v in p["layer"].values())
+              + (sum(p["first"].values()) if s == 0 else 0.0)
+              + (sum(p["last"].values()) if s == last_stage else 0.0) for p in per]
+             for s, layers in enumerate(self.stage_layers)]
+        tokens = [sum(q for q, _ in b) for b in batches]
+        h = [[self._handover_seconds(s, n) for n in tokens] for s in range(self.pp - 1)]
+        back = handover_crosses_nodes(0, (self.pp - 1) * self.tp, self.gpus_per_node)
+        r = [send_recv_time(8 * n, self.gpu, back, self.cal) if self.pp > 1 else 0.0
+             for n in share]                                                    # the sampled ids (int64)
+        timing = pipeline_time(t, h, r, schedule)
+        names = list(stage_parts[-1]) + [k for k in stage_parts[0] if k not in stage_parts[-1]]
+        parts = {k: sum(sp.get(k, 0.0) for sp in stage_parts) / self.pp for k in names}
+        parts["pipeline bubble"] = timing.seconds - sum(timing.stage_busy) / self.pp
+        return timing, parts
+
+    def pipeline_timing(self, shapes: list[tuple[int, int]], logits_rows: int | None = None,
+                        microbatches: int | None = None, schedule: str = "steady") -> PipelineTiming:
+        """The GPUs' part of a step through the pipeline stages (host time aside):
+        its seconds, each stage's busy seconds, each boundary's hand-over seconds
+        and the bubble (:class:`~.pipeline.PipelineTiming`). ``microbatches``:
+        how many the step's sequences are cut into (default ``min(pp, sequences)``,
+        the engine's); ``schedule``: ``"steady"`` (the engine's: vLLM's virtual
+        engines, the period) or ``"gpipe"`` (fill and drain once). With
+        ``pp`` = 1 it is one stage, no hand-over."""
+        if not shapes:
+            raise ValueError("shapes must name at least one sequence (new tokens, context)")
+        return self._pipeline(shapes, logits_rows, microbatches, schedule)[0]
+
     # --- the host's part ----------------------------------------------------------------
     def launch_seconds(self, shapes: list[tuple[int, int]]) -> float:
-        """CPU time to launch the step's kernels (one graph replay for a decode-only step)."""
+        """CPU time to launch the step's kernels (one graph replay for a decode-only
+        step). With pipeline stages each GPU's host launches its own stage's kernels
+        for each micro-batch, all at once; the busiest sets the time."""
+        per_layer = KERNELS_PER_LAYER + (2 if self.tp > 1 else 0)
+        if self.pp > 1:
+            m = min(self.pp, len(shapes))
+            if self.cuda_graphs and all(q == 1 for q, _ in shapes):
+                return m * self.cal.graph_launch_s
+            ends = [1 if s == 0 else KERNELS_PER_STEP if s == self.pp - 1 else 0 for s in range(self.pp)]
+            return max(m * (per_layer * n + e + 1) for n, e in zip(self.stage_layers, ends)) * self.cal.launch_s
         if self.cuda_graphs and all(q == 1 for q, _ in shapes):
             return self.cal.graph_launch_s
-        per_layer = KERNELS_PER_LAYER + (2 if self.tp > 1 else 0)
         return (per_layer * self.model.num_layers + KERNELS_PER_STEP) * self.cal.launch_s
 
     # --- the step -----------------------------------------------------------------------
     def _timed(self, shapes, logits_rows) -> tuple[dict[str, float], float]:
         """The step's GPU seconds by part, with the host's unhidden share added, and its seconds."""
-        parts = self.gpu_seconds(shapes, logits_rows)
-        gpu = sum(parts.values())
+        if self.pp > 1:
+            timing, parts = self._pipeline(shapes, logits_rows)
+            gpu = timing.seconds
+        else:
+            parts = self.gpu_seconds(shapes, logits_rows)
+            gpu = sum(parts.values())
         launch, host = self.launch_seconds(shapes), self.step_overhead_s
         seconds = max(gpu, host + launch) if self.async_scheduling else host + max(gpu, launch)
         parts["host (not hidden by the GPU)"] = seconds - gpu
@@ -156,8 +288,8 @@ class CostModel:
 
     def swap_time(self, nbytes: int) -> float:
         """Seconds to copy ``nbytes`` of KV cache between host and device (the GPUs'
-        links in parallel under tensor parallelism), not overlapped with compute."""
-        return nbytes / (self.gpu.host_link_bandwidth * self.tp)
+        links in parallel under tensor and pipeline parallelism), not overlapped with compute."""
+        return nbytes / (self.gpu.host_link_bandwidth * self.tp * self.pp)
 
     def step_time(self, shapes: list[tuple[int, int]], swap_bytes: int = 0,
                   logits_rows: int | None = None) -> float:
@@ -171,7 +303,7 @@ class CostModel:
         return sum(self._timed(shapes, None)[1] for shapes in steps if shapes)
 
     def __repr__(self) -> str:
-        tp = f" x{self.tp}" if self.tp > 1 else ""
+        tp = (f" x{self.tp}" if self.tp > 1 else "") + (f", {self.pp} stages" if self.pp > 1 else "")
         dtypes = "".join(f", {k} {v}" for k, v in (("KV", self.kv_cache_dtype), ("weights", self.weight_dtype))
                          if v != "auto")
         return (f"CostModel({self.model.name} on {self.gpu.name}{tp}, host {self.step_overhead_s * 1e3:g} ms/step"

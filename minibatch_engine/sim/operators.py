@@ -16,7 +16,15 @@ looked up by shape, so it predicts shapes and GPUs it never saw.
 * A norm, RoPE, the activation, a residual add, the embedding: the bytes
   they move at a fraction ``e`` of the HBM bandwidth, plus a fixed ``t0``.
 * An all-reduce over ``n`` GPUs: ``alpha + 2 (n - 1) / n x bytes / busbw``,
-  the bus bandwidth a measured fraction of the GPU's NVLink bandwidth.
+  the bus bandwidth a measured fraction of the GPU's NVLink bandwidth. Past
+  one node (``num_gpus > gpus_per_node``) the ring's slowest link is the
+  network between nodes: that case is **extrapolated** (no all-reduce across
+  nodes was measured): the measured 8-GPU fixed time plus one cross-node
+  send/recv fixed time, and the ring's traffic at the measured cross-node
+  point-to-point bandwidth (each GPU of a DGX has its own network card).
+* A send/recv of ``bytes`` between two GPUs (the pipeline-parallel hand-over):
+  ``alpha + bytes / bandwidth``, fitted within a node (NVLink, as a fraction
+  of the GPU's) and across two nodes (the network's bytes/s).
 
 Every function takes plain numbers or numpy arrays (the calibration script
 evaluates thousands of rows at once; the engine, one step at a time).
@@ -89,14 +97,39 @@ def small_op_time(op: str, nbytes, gpu: GPU, cal: Calibration | None = None):
     return nbytes / (gpu.hbm_bandwidth * e) + t0
 
 
-def all_reduce_time(nbytes, num_gpus: int, gpu: GPU, cal: Calibration | None = None):
+GPUS_PER_NODE = 8      # an HGX/DGX H100, H200 or A100 node: eight GPUs on one NVLink switch
+
+
+def all_reduce_time(nbytes, num_gpus: int, gpu: GPU, cal: Calibration | None = None,
+                    gpus_per_node: int | None = None):
     """Seconds for an all-reduce of ``nbytes`` over ``num_gpus`` GPUs (0 for one):
-    ring accounting, each GPU sends and receives ``2 (n - 1) / n`` of the message."""
+    ring accounting, each GPU sends and receives ``2 (n - 1) / n`` of the message.
+    With ``gpus_per_node`` and more GPUs than one node holds, the ring crosses
+    the network (extrapolated: see the module's docstring); ``None`` keeps every
+    GPU on one NVLink domain."""
     if num_gpus <= 1:
         return 0 * nbytes
     cal = cal or default_calibration()
+    traffic = 2 * (num_gpus - 1) / num_gpus * nbytes
+    if gpus_per_node is not None and num_gpus > gpus_per_node:
+        alpha_net, network = cal.send_recv["across_nodes"]
+        alpha = cal.all_reduce.get(gpus_per_node, cal.all_reduce["shared"])[0]
+        return alpha + alpha_net + traffic / network
     alpha, fraction = cal.all_reduce.get(num_gpus, cal.all_reduce["shared"])
-    return alpha + 2 * (num_gpus - 1) / num_gpus * nbytes / (fraction * gpu.nvlink_bandwidth)
+    return alpha + traffic / (fraction * gpu.nvlink_bandwidth)
+
+
+def send_recv_time(nbytes, gpu: GPU, across_nodes: bool, cal: Calibration | None = None):
+    """Seconds to send ``nbytes`` from one GPU to another (0 bytes cost nothing):
+    within a node over NVLink, or ``across_nodes`` over the network, each from
+    its fit on the measured H100 DGX send/recv (``calibration.json``)."""
+    cal = cal or default_calibration()
+    if across_nodes:
+        alpha, bandwidth = cal.send_recv["across_nodes"]
+    else:
+        alpha, fraction = cal.send_recv["within_node"]
+        bandwidth = fraction * gpu.nvlink_bandwidth
+    return (alpha + nbytes / bandwidth) * (nbytes > 0)
 
 
 def layer_op_time(op: str, model: ModelConfig, M, tp: int, gpu: GPU, cal: Calibration | None = None):
