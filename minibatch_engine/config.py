@@ -116,7 +116,8 @@ class EngineConfig:
         sequences go through them as micro-batches kept in flight (vLLM's
         virtual engines), activations handed over between stages at the
         measured send/recv speed (:mod:`minibatch_engine.sim.pipeline`); the KV
-        memory is that of all the GPUs.
+        memory is that of all the GPUs. Needs ``sim_gpu``; a real model still
+        runs whole, so its tokens are the same.
     """
     scheduler: str = "continuous"
     max_num_seqs: int = 256

@@ -75,9 +75,9 @@ class Engine:
         if cfg.tensor_parallel_size > 1 and (model is not None or not cfg.sim_gpu):
             raise ValueError("tensor parallelism is simulated only: tensor_parallel_size > 1 needs the simulator "
                              "alone (no model, sim_gpu and sim_model)")
-        if cfg.pipeline_parallel_size > 1 and (model is not None or not cfg.sim_gpu):
-            raise ValueError("pipeline parallelism is simulated only: pipeline_parallel_size > 1 needs the "
-                             "simulator alone (no model, sim_gpu and sim_model)")
+        if cfg.pipeline_parallel_size > 1 and not cfg.sim_gpu:
+            raise ValueError("pipeline parallelism is simulated only: pipeline_parallel_size > 1 needs sim_gpu "
+                             "(a real model still runs whole; the simulator prices the stages)")
         if (cfg.pipeline_parallel_size > 1 and cfg.speculative is not None
                 and cfg.speculative.method == "draft_model"):
             raise ValueError("pipeline_parallel_size > 1 with a draft model is not simulated (where the draft "
