@@ -124,6 +124,8 @@ def send_recv_time(nbytes, gpu: GPU, across_nodes: bool, cal: Calibration | None
     within a node over NVLink, or ``across_nodes`` over the network, each from
     its fit on the measured H100 DGX send/recv (``calibration.json``)."""
     cal = cal or default_calibration()
+    if not cal.send_recv:
+        raise ValueError("this calibration holds no send/recv fit: rerun tools/calibrate_sim.py")
     if across_nodes:
         alpha, bandwidth = cal.send_recv["across_nodes"]
     else:

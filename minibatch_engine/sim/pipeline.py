@@ -30,7 +30,9 @@ has finished the previous one and the input has arrived):
 The engine's loop is synchronous: one step advances every running sequence
 by one token. It is priced with ``"steady"`` and ``m = min(pp, sequences)``
 micro-batches, as vLLM runs ``pp`` virtual engines: a step's time is the
-period. What that means: a token's latency (TPOT, and TTFT's last step) is a
+period of that step repeated (consecutive decode steps differ by one token per
+sequence; a step that mixes in a prefill chunk is priced as if it recurred,
+which is what an engine alternating such steps sees). What that means: a token's latency (TPOT, and TTFT's last step) is a
 full trip through all stages, about the single-GPU step of a micro-batch plus
 the hand-overs, so pipeline parallelism does not make a step faster the way
 tensor parallelism does; it adds memory (weights split ``pp`` ways, more room
