@@ -30,20 +30,24 @@ has finished the previous one and the input has arrived):
 The engine's loop is synchronous: one step advances every running sequence
 by one token. It is priced with ``"steady"`` and ``m = min(pp, sequences)``
 micro-batches, as vLLM runs ``pp`` virtual engines: a step's time is the
-period of that step repeated (consecutive decode steps differ by one token per
-sequence; a step that mixes in a prefill chunk is priced as if it recurred,
-which is what an engine alternating such steps sees). What that means: a token's latency (TPOT, and TTFT's last step) is a
-full trip through all stages, about the single-GPU step of a micro-batch plus
-the hand-overs, so pipeline parallelism does not make a step faster the way
-tensor parallelism does; it adds memory (weights split ``pp`` ways, more room
-for KV and so larger batches) and, across nodes, sends one ``[tokens,
-hidden]`` activation per stage boundary where tensor parallelism all-reduces
-twice per layer. Throughput gains come from those larger batches.
+period of that step repeated (consecutive decode steps differ by one token
+per sequence; a step with a prefill chunk is priced as if it recurred).
+
+What that means for latency and throughput: a token (TPOT, and the step that
+ends TTFT) waits for a full trip through every stage, about what one
+``tp``-GPU group would take over all the layers for that micro-batch, plus
+the hand-overs. Pipeline parallelism therefore does not shorten a step the
+way tensor parallelism does. It adds memory (weights split ``pp`` ways, so
+more KV and larger batches) and compute for prefills, and its communication
+is small: one hand-over of the activations per stage boundary (the hidden
+states and the residual, ``[tokens, hidden]`` each in bf16), where tensor
+parallelism all-reduces twice per layer. Across nodes that is what makes it
+the cheaper split; its throughput gains come from the larger batches.
 
 Layers that do not divide evenly: each stage gets ``layers // pp`` and the
 remainder goes one each to the stages before the last, from the last but one
-backwards (the first and last stages also hold the embedding and LM head),
-as vLLM's default partition does.
+backwards (the last also holds the LM head), as vLLM's default partition
+does (its ``get_pp_indices`` tests: 5 layers on 3 stages are 2, 2, 1).
 """
 from __future__ import annotations
 

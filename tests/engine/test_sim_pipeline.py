@@ -68,6 +68,8 @@ def test_hand_overs_cost_time_only_when_a_stage_waits_for_one():
 
 
 def test_layers_split_evenly_the_remainder_before_the_last_stage():
+    # the uneven cases vLLM's own tests of get_pp_indices list (tests/distributed/test_pipeline_partition.py)
+    assert [stage_layers(n, pp) for n, pp in ((3, 2), (4, 3), (5, 3))] == [(2, 1), (1, 2, 1), (2, 2, 1)]
     assert stage_layers(80, 4) == (20, 20, 20, 20)
     assert stage_layers(80, 3) == (27, 27, 26)
     assert stage_layers(10, 4) == (2, 3, 3, 2)
