@@ -189,6 +189,14 @@ class CostModel:
                 "LM head": once["LM head"], "sampling": once["sampling"]}
         return {"layer": layer, "first": {"embedding and final norm": embedding}, "last": last}
 
+    def _stage_seconds(self, stage: int, micro: dict) -> dict[str, float]:
+        """A micro-batch's seconds by part on ``stage`` (from :meth:`_microbatch_seconds`)."""
+        parts = {k: self.stage_layers[stage] * v for k, v in micro["layer"].items()}
+        for which, here in (("first", stage == 0), ("last", stage == self.pp - 1)):
+            for k, v in micro[which].items() if here else ():
+                parts[k] = parts.get(k, 0.0) + v
+        return parts
+
     def _handover_seconds(self, stage: int, tokens: int) -> float:
         """One micro-batch's activations from ``stage`` to the next: each of the
         ``tp`` GPU pairs sends its 1/tp share at once (as vLLM splits it), then
@@ -209,29 +217,19 @@ class CostModel:
         share = [rows * len(b) // len(shapes) for b in batches]
         share[0] += rows - sum(share)
         per = [self._microbatch_seconds(b, r) for b, r in zip(batches, share)]
-        last_stage = self.pp - 1
-        stage_parts = []
-        for s, layers in enumerate(self.stage_layers):
-            parts: dict[str, float] = {}
-            for p in per:
-                for name, sec in p["layer"].items():
-                    parts[name] = parts.get(name, 0.0) + layers * sec
-                for which in (("first",) if s == 0 else ()) + (("last",) if s == last_stage else ()):
-                    for name, sec in p[which].items():
-                        parts[name] = parts.get(name, 0.0) + sec
-            stage_parts.append(parts)
-        t = [[sum(layers * v for v in p["layer"].values())
-              + (sum(p["first"].values()) if s == 0 else 0.0)
-              + (sum(p["last"].values()) if s == last_stage else 0.0) for p in per]
-             for s, layers in enumerate(self.stage_layers)]
+        cells = [[self._stage_seconds(s, p) for p in per] for s in range(self.pp)]   # [stage][micro-batch]
+        t = [[sum(c.values()) for c in row] for row in cells]
         tokens = [sum(q for q, _ in b) for b in batches]
         h = [[self._handover_seconds(s, n) for n in tokens] for s in range(self.pp - 1)]
         back = handover_crosses_nodes(0, (self.pp - 1) * self.tp, self.gpus_per_node)
         r = [send_recv_time(8 * n, self.gpu, back, self.cal) if self.pp > 1 else 0.0
              for n in share]                                                    # the sampled ids (int64)
         timing = pipeline_time(t, h, r, schedule)
-        names = list(stage_parts[-1]) + [k for k in stage_parts[0] if k not in stage_parts[-1]]
-        parts = {k: sum(sp.get(k, 0.0) for sp in stage_parts) / self.pp for k in names}
+        parts: dict[str, float] = {}
+        for row in cells:
+            for c in row:
+                for k, v in c.items():
+                    parts[k] = parts.get(k, 0.0) + v / self.pp
         parts["pipeline bubble"] = timing.seconds - sum(timing.stage_busy) / self.pp
         return timing, parts
 
