@@ -24,7 +24,8 @@ looked up by shape, so it predicts shapes and GPUs it never saw.
   point-to-point bandwidth (each GPU of a DGX has its own network card).
 * A send/recv of ``bytes`` between two GPUs (the pipeline-parallel hand-over):
   ``alpha + bytes / bandwidth``, fitted within a node (NVLink, as a fraction
-  of the GPU's) and across two nodes (the network's bytes/s).
+  of the GPU's) and across two nodes (the network's bytes/s). The network was
+  measured between H100 DGX nodes; every GPU preset is given that network.
 
 Every function takes plain numbers or numpy arrays (the calibration script
 evaluates thousands of rows at once; the engine, one step at a time).
