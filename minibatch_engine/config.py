@@ -111,6 +111,12 @@ class EngineConfig:
         ``"auto"`` (bf16), ``"fp8"`` or ``"int4"`` (:mod:`minibatch_engine.sim.precision`):
         fewer bytes read per step and more memory left for KV. Priced by bytes
         alone; no fp8 or int4 GEMM was measured.
+    expert_parallel_size: simulator only, a mixture-of-experts ``sim_model``:
+        its routed experts split over this many GPUs, attention data-parallel
+        across them, a dispatch and a combine all-to-all per MoE layer
+        (:mod:`minibatch_engine.sim.moe`); the KV memory is that of all of them.
+    expert_load_imbalance: simulator only: the busiest expert-parallel GPU's
+        routed tokens over the mean GPU's (1.0 = uniform routing).
     """
     scheduler: str = "continuous"
     max_num_seqs: int = 256
@@ -141,6 +147,8 @@ class EngineConfig:
     step_overhead_s: float = 1e-3
     tensor_parallel_size: int = 1
     sim_weight_dtype: str = "auto"
+    expert_parallel_size: int = 1
+    expert_load_imbalance: float = 1.0
 
     def __post_init__(self):
         self.scheduler_config, self.cache_config, self.runner_config, self.sim_config   # each validates itself

@@ -75,9 +75,13 @@ class Engine:
         if cfg.tensor_parallel_size > 1 and (model is not None or not cfg.sim_gpu):
             raise ValueError("tensor parallelism is simulated only: tensor_parallel_size > 1 needs the simulator "
                              "alone (no model, sim_gpu and sim_model)")
+        if cfg.expert_parallel_size > 1 and (model is not None or not cfg.sim_gpu):
+            raise ValueError("expert parallelism is simulated only: expert_parallel_size > 1 needs the simulator "
+                             "alone (no model, sim_gpu and a mixture-of-experts sim_model)")
         self.cost_model = (CostModel(get_gpu(cfg.sim_gpu), sim_cfg, tensor_parallel_size=cfg.tensor_parallel_size,
                                      step_overhead_s=cfg.step_overhead_s, cuda_graphs=cfg.cuda_graphs,
-                                     **self._sim_dtypes())
+                                     expert_parallel_size=cfg.expert_parallel_size,
+                                     expert_load_imbalance=cfg.expert_load_imbalance, **self._sim_dtypes())
                            if cfg.sim_gpu else None)
         device = model.device if model is not None else torch.device("meta")
         dtype = model.dtype if model is not None else torch.bfloat16
@@ -127,16 +131,17 @@ class Engine:
         each, less its share of the weights (the target's, and a draft model's);
         refused when the weights alone do not fit."""
         cfg, cm = self.config, self.cost_model
-        tp, gpu = cm.tp, cm.gpu
-        weights = cm.weight_bytes + (self.draft_cost_model.weight_bytes if self.draft_cost_model else 0)
+        tp, gpu = cm.num_gpus, cm.gpu          # GPUs: tensor x expert parallel (one of them is 1)
+        weights = cm.resident_weight_bytes + (self.draft_cost_model.weight_bytes if self.draft_cost_model else 0)
         usable = cfg.gpu_memory_utilization * gpu.memory_bytes
         if weights / tp > usable:
             need = -(-weights // int(usable))
+            knob = (f"tensor_parallel_size {need} or more would fit them" if cm.ep == 1 else
+                    "expert parallelism copies attention and dense weights to every GPU: try tensor_parallel_size")
             raise ValueError(f"{cm.model.name}'s weights{' and the draft' if self.draft_cost_model else ''} take "
                              f"{weights / 1e9:.1f} GB, {weights / tp / 1e9:.1f} GB per GPU over "
                              f"{tp} {gpu.name}: more than the {usable / 1e9:.1f} GB usable on each "
-                             f"(gpu_memory_utilization {cfg.gpu_memory_utilization}); "
-                             f"tensor_parallel_size {need} or more would fit them")
+                             f"(gpu_memory_utilization {cfg.gpu_memory_utilization}); {knob}")
         return int(tp * usable - weights)
 
     def _draft_block_size(self) -> int:

@@ -158,6 +158,11 @@ def _sim_args(p: argparse.ArgumentParser, simulate: bool) -> None:
                    help="model shape the simulator prices")
     p.add_argument("--tp", type=positive_int, default=1, metavar="N",
                    help="simulator only: tensor parallelism over N GPUs (weights, KV heads, projections sharded)")
+    p.add_argument("--ep", type=positive_int, default=1, metavar="N",
+                   help="simulator only, a mixture-of-experts --sim-model: expert parallelism over N GPUs "
+                        "(experts split, attention data-parallel, two all-to-alls per MoE layer; --tp 1)")
+    p.add_argument("--expert-imbalance", type=float, default=1.0, metavar="X",
+                   help="simulator only, with --ep: the busiest GPU's routed tokens over the mean (1 = uniform)")
     p.add_argument("--weight-dtype", choices=list(WEIGHT_DTYPES), default="auto",
                    help="simulator only: the projection weights' dtype it prices (auto = bf16; fp8; int4 with "
                         "a scale and zero per 128 weights): fewer bytes read per decode step, more memory "
@@ -464,7 +469,8 @@ def _resolve_workload(args) -> None:
 # the engine's field names, as the engine's own checks name them -> the flags that set them
 FLAG_OF_FIELD = {"max_num_seqs": "--max-batch", "max_model_len": "--max-model-len", "kv_budget_bytes": "--kv-budget",
                  "block_size": "--block-size", "max_num_batched_tokens": "--max-num-batched-tokens",
-                 "tensor_parallel_size": "--tp", "swap_space_bytes": "--swap-space",
+                 "tensor_parallel_size": "--tp", "expert_parallel_size": "--ep",
+                 "expert_load_imbalance": "--expert-imbalance", "swap_space_bytes": "--swap-space",
                  "priority_aging_s": "--priority-aging-s", "num_speculative_tokens": "--num-speculative-tokens",
                  "preemption_mode": "--preemption", "kv_layout": "--kv"}
 
@@ -530,6 +536,8 @@ def _engine_options(args) -> dict:
     return dict(kv_layout=args.kv or "auto", kv_budget_bytes=args.kv_budget, block_size=args.block_size,
                 kv_cache_dtype=args.kv_cache_dtype,
                 tensor_parallel_size=getattr(args, "tp", 1),
+                expert_parallel_size=getattr(args, "ep", 1),
+                expert_load_imbalance=getattr(args, "expert_imbalance", 1.0),
                 sim_weight_dtype=getattr(args, "weight_dtype", "auto"),
                 enable_prefix_caching=not args.no_prefix_caching,
                 max_num_batched_tokens="auto" if args.max_num_batched_tokens is None else args.max_num_batched_tokens,
