@@ -35,8 +35,11 @@ parallelism is not modelled (refused), nor is EP across nodes.
 **Load imbalance** (``expert_load_imbalance``, ``rho``): the busiest GPU's
 routed tokens over the mean GPU's (DeepSeek's EPLB reports the same ratio;
 1.0 = uniform). The layer waits for the busiest GPU, so its expert GEMMs and
-its share of both all-to-alls carry ``rho`` times the mean load. With one GPU
-group (``ep = 1``) there is no busiest GPU, and ``rho`` must be 1.
+its share of both all-to-alls carry ``rho`` times the mean load. A small batch
+is uneven whatever the router does: its few experts sit on a few GPUs, so the
+busiest GPU reads at least one whole expert (at ``B = 1`` and ``ep = 8``, one
+of Mixtral's two, not a quarter of one). With one GPU group (``ep = 1``) there
+is no busiest GPU, and ``rho`` must be 1.
 
 **The all-to-all is extrapolated.** ``data/gpu-profiles/network/h100_dgx/``
 measured all-reduces (and point-to-point sends), not all-to-alls. Inside one
@@ -133,8 +136,11 @@ def moe_layer_seconds(model: ModelConfig, tokens: int, gpu: GPU, cal: Calibratio
     cal = cal or default_calibration()
     d, f, E, k = model.hidden_size, model.moe_intermediate_size, model.num_experts, model.num_experts_per_tok
     local_tokens = math.ceil(tokens / ep)                 # this GPU's share of the sequences' tokens
-    routed = load_imbalance * tokens * k / ep             # token-expert pairs the busiest GPU computes
-    experts = expected_experts_touched(E, k, tokens) / ep
+    touched = expected_experts_touched(E, k, tokens)
+    # the busiest GPU: rho x the mean GPU's experts and token-expert pairs, and whole ones:
+    # a small batch's few experts sit on a few GPUs, each reading at least one expert
+    experts = max(touched / ep, min(touched, 1.0))
+    routed = max(load_imbalance * tokens * k / ep, min(tokens * k, experts))
     each = routed / experts if experts else 0.0
     width = f // tp
     expert_s = (grouped_gemm_time(experts, each, 2 * width, d, gpu, cal, weight_bytes_per_element)

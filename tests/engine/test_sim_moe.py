@@ -122,6 +122,10 @@ def test_expert_parallel_all_to_all_grows_with_tokens_and_vanishes_on_one_gpu():
     assert all(x < y for x, y in zip(a2a, a2a[1:]))
     assert "all-to-all" not in CostModel(H100, MIXTRAL, tensor_parallel_size=2).gpu_seconds([(1, 512)])
     assert all_to_all_time(1e6, 1, H100) == 0
+    # at batch 1 the busiest GPU holds one of the token's two experts and reads all of it
+    d, f = MIXTRAL.hidden_size, MIXTRAL.moe_intermediate_size
+    one_expert = MIXTRAL.num_moe_layers * (gemm_time(1, 2 * f, d, H100) + gemm_time(1, d, f, H100))
+    assert ep8.gpu_seconds([(1, 512)])["experts"] >= one_expert
     assert all_to_all_time(2e6, 8, H100) > all_to_all_time(1e6, 8, H100) > 0
 
 
@@ -185,3 +189,12 @@ def test_moe_configs_are_checked_and_run_in_the_simulator_only():
         Transformer(ModelConfig(family="llama", vocab_size=16, hidden_size=8, num_layers=1, num_heads=2,
                                 num_kv_heads=2, intermediate_size=8, max_position=8, num_experts=2,
                                 num_experts_per_tok=1, moe_intermediate_size=4))
+
+
+def test_simulate_takes_ep_and_names_the_flag_in_its_errors(capsys):
+    from minibatch_engine.entrypoints.cli import main
+    assert main(["simulate", "--sim-model", "mixtral-8x7b", "--ep", "8", "--expert-imbalance", "1.5",
+                 "--num-requests", "4", "--max-batch", "4", "--no-progress"]) == 0
+    assert main(["simulate", "--sim-model", "mixtral-8x7b", "--ep", "3", "--num-requests", "4",
+                 "--no-progress"]) == 2
+    assert "--ep 3 does not divide" in capsys.readouterr().err
