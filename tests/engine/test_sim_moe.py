@@ -145,7 +145,8 @@ def test_expert_parallel_shards_experts_and_copies_the_rest():
     assert tp8.weight_bytes_per_gpu < ep8.weight_bytes_per_gpu < ep8.weight_bytes / 4
     # the engine's KV memory is all GPUs' memory less the weights they hold
     e = sim_engine(sim_model="mixtral-8x7b", expert_parallel_size=8, max_num_seqs=4096, max_model_len=32768)
-    assert e.kv_cache.capacity_bytes <= int(8 * 0.9 * H100.memory_bytes - ep8.resident_weight_bytes)
+    cap = int(8 * 0.9 * H100.memory_bytes - ep8.resident_weight_bytes)
+    assert cap - 16 * e.kv_cache.bytes_per_token < e.kv_cache.capacity_bytes <= cap     # within one block
 
 
 def test_a_runs_tokens_do_not_depend_on_experts_or_expert_parallelism(tiny64):
