@@ -118,6 +118,12 @@ class EngineConfig:
         measured send/recv speed (:mod:`minibatch_engine.sim.pipeline`); the KV
         memory is that of all the GPUs. Needs ``sim_gpu``; a real model still
         runs whole, so its tokens are the same.
+    expert_parallel_size: simulator only, a mixture-of-experts ``sim_model``:
+        its routed experts split over this many GPUs, attention data-parallel
+        across them, a dispatch and a combine all-to-all per MoE layer
+        (:mod:`minibatch_engine.sim.moe`); the KV memory is that of all of them.
+    expert_load_imbalance: simulator only: the busiest expert-parallel GPU's
+        routed tokens over the mean GPU's (1.0 = uniform routing).
     """
     scheduler: str = "continuous"
     max_num_seqs: int = 256
@@ -149,6 +155,8 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     sim_weight_dtype: str = "auto"
     pipeline_parallel_size: int = 1
+    expert_parallel_size: int = 1
+    expert_load_imbalance: float = 1.0
 
     def __post_init__(self):
         self.scheduler_config, self.cache_config, self.runner_config, self.sim_config   # each validates itself

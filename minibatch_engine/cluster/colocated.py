@@ -47,7 +47,7 @@ def simulate_cluster(replicas: int = 2, router: str = "round-robin", workload: s
                "num_requests": num_requests, "arrival_rate": arrival_rate, "burstiness": burstiness,
                "seed": seed, "sim_gpu": sim_gpu, "sim_model": sim_model, "tensor_parallel_size": tp,
                "clock": "sim"}
-    gpus = replicas * tp * engines[0].config.pipeline_parallel_size
+    gpus = replicas * engines[0].cost_model.num_gpus      # tensor x pipeline x expert parallel
     summary.update(totals(timings, cluster.replicas, requests, ps, slo, num_gpus=gpus))
     summary["per_replica"] = [replica_summary(r, ps, slo) for r in cluster.replicas]
     return summary, cluster

@@ -117,8 +117,7 @@ def simulate_disaggregated(prefill_replicas: int = 1, decode_replicas: int = 1, 
                "tensor_parallel_size": tp, "clock": "sim"}
     cluster.timings = hand.timings()
     summary.update(totals(cluster.timings, cluster.replicas, prefill_reqs, ps, slo,
-                          num_gpus=(prefill_replicas + decode_replicas) * tp
-                          * prefill[0].config.pipeline_parallel_size))
+                          num_gpus=(prefill_replicas + decode_replicas) * prefill[0].cost_model.num_gpus))
     moved = sorted(hand.transfer_s.values())
     summary.update(kv_transfers=len(moved), kv_transfer_ms_mean=1e3 * sum(moved) / len(moved) if moved else 0.0,
                    kv_transfer_ms_p99=1e3 * moved[min(len(moved) - 1, int(0.99 * len(moved)))] if moved else 0.0,

@@ -82,10 +82,14 @@ class Engine:
                 and cfg.speculative.method == "draft_model"):
             raise ValueError("pipeline_parallel_size > 1 with a draft model is not simulated (where the draft "
                              "runs is a choice the simulator does not make); use pipeline_parallel_size 1")
+        if cfg.expert_parallel_size > 1 and (model is not None or not cfg.sim_gpu):
+            raise ValueError("expert parallelism is simulated only: expert_parallel_size > 1 needs the simulator "
+                             "alone (no model, sim_gpu and a mixture-of-experts sim_model)")
         self.cost_model = (CostModel(get_gpu(cfg.sim_gpu), sim_cfg, tensor_parallel_size=cfg.tensor_parallel_size,
                                      pipeline_parallel_size=cfg.pipeline_parallel_size,
                                      step_overhead_s=cfg.step_overhead_s, cuda_graphs=cfg.cuda_graphs,
-                                     **self._sim_dtypes())
+                                     expert_parallel_size=cfg.expert_parallel_size,
+                                     expert_load_imbalance=cfg.expert_load_imbalance, **self._sim_dtypes())
                            if cfg.sim_gpu else None)
         device = model.device if model is not None else torch.device("meta")
         dtype = model.dtype if model is not None else torch.bfloat16
@@ -135,25 +139,26 @@ class Engine:
         each, less its share of the weights (the target's, and a draft model's);
         refused when the weights alone do not fit."""
         cfg, cm = self.config, self.cost_model
-        tp, gpu = cm.tp, cm.gpu
-        weights = cm.weight_bytes + (self.draft_cost_model.weight_bytes if self.draft_cost_model else 0)
+        tp, gpu = cm.num_gpus, cm.gpu          # GPUs: tensor x pipeline x expert parallel
+        weights = cm.resident_weight_bytes + (self.draft_cost_model.weight_bytes if self.draft_cost_model else 0)
         usable = cfg.gpu_memory_utilization * gpu.memory_bytes
         if cm.pp > 1:                    # no draft model here (refused above)
             if cm.weight_bytes_per_gpu > usable:
                 need = -(-weights // int(usable))
                 raise ValueError(f"{cm.model.name}'s weights take {weights / 1e9:.1f} GB, "
-                                 f"{cm.weight_bytes_per_gpu / 1e9:.1f} GB on the fullest of {tp * cm.pp} "
-                                 f"{gpu.name} (tensor_parallel_size {tp} x pipeline_parallel_size {cm.pp}): "
+                                 f"{cm.weight_bytes_per_gpu / 1e9:.1f} GB on the fullest of {tp} "
+                                 f"{gpu.name} (tensor_parallel_size {cm.tp} x pipeline_parallel_size {cm.pp}): "
                                  f"more than the {usable / 1e9:.1f} GB usable on each (gpu_memory_utilization "
                                  f"{cfg.gpu_memory_utilization}); {need} or more GPUs would fit them")
             return cm.kv_memory_bytes(usable)
         if weights / tp > usable:
             need = -(-weights // int(usable))
+            knob = (f"tensor_parallel_size {need} or more would fit them" if cm.ep == 1 else
+                    "expert parallelism copies attention and dense weights to every GPU: try tensor_parallel_size")
             raise ValueError(f"{cm.model.name}'s weights{' and the draft' if self.draft_cost_model else ''} take "
                              f"{weights / 1e9:.1f} GB, {weights / tp / 1e9:.1f} GB per GPU over "
                              f"{tp} {gpu.name}: more than the {usable / 1e9:.1f} GB usable on each "
-                             f"(gpu_memory_utilization {cfg.gpu_memory_utilization}); "
-                             f"tensor_parallel_size {need} or more would fit them")
+                             f"(gpu_memory_utilization {cfg.gpu_memory_utilization}); {knob}")
         return int(tp * usable - weights)
 
     def _draft_block_size(self) -> int:

@@ -162,6 +162,11 @@ def _sim_args(p: argparse.ArgumentParser, simulate: bool) -> None:
                    help="simulator only: pipeline parallelism over N stages of layers, each on --tp GPUs (8 GPUs "
                         "to a node); micro-batches kept in flight as vLLM's virtual engines, hand-overs priced "
                         "from the measured send/recv")
+    p.add_argument("--ep", type=positive_int, default=1, metavar="N",
+                   help="simulator only, a mixture-of-experts --sim-model: expert parallelism over N GPUs "
+                        "(experts split, attention data-parallel, two all-to-alls per MoE layer; --tp 1)")
+    p.add_argument("--expert-imbalance", type=float, default=1.0, metavar="X",
+                   help="simulator only, with --ep: the busiest GPU's routed tokens over the mean (1 = uniform)")
     p.add_argument("--weight-dtype", choices=list(WEIGHT_DTYPES), default="auto",
                    help="simulator only: the projection weights' dtype it prices (auto = bf16; fp8; int4 with "
                         "a scale and zero per 128 weights): fewer bytes read per decode step, more memory "
@@ -468,7 +473,8 @@ def _resolve_workload(args) -> None:
 # the engine's field names, as the engine's own checks name them -> the flags that set them
 FLAG_OF_FIELD = {"max_num_seqs": "--max-batch", "max_model_len": "--max-model-len", "kv_budget_bytes": "--kv-budget",
                  "block_size": "--block-size", "max_num_batched_tokens": "--max-num-batched-tokens",
-                 "tensor_parallel_size": "--tp", "pipeline_parallel_size": "--pp", "swap_space_bytes": "--swap-space",
+                 "tensor_parallel_size": "--tp", "pipeline_parallel_size": "--pp", "expert_parallel_size": "--ep",
+                 "expert_load_imbalance": "--expert-imbalance", "swap_space_bytes": "--swap-space",
                  "priority_aging_s": "--priority-aging-s", "num_speculative_tokens": "--num-speculative-tokens",
                  "preemption_mode": "--preemption", "kv_layout": "--kv"}
 
@@ -535,6 +541,8 @@ def _engine_options(args) -> dict:
                 kv_cache_dtype=args.kv_cache_dtype,
                 tensor_parallel_size=getattr(args, "tp", 1),
                 pipeline_parallel_size=getattr(args, "pp", 1),
+                expert_parallel_size=getattr(args, "ep", 1),
+                expert_load_imbalance=getattr(args, "expert_imbalance", 1.0),
                 sim_weight_dtype=getattr(args, "weight_dtype", "auto"),
                 enable_prefix_caching=not args.no_prefix_caching,
                 max_num_batched_tokens="auto" if args.max_num_batched_tokens is None else args.max_num_batched_tokens,

@@ -113,6 +113,9 @@ class Transformer(nn.Module):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
+        if cfg.is_moe:
+            raise ValueError(f"{cfg.name} is a mixture of experts: the engine's transformer runs dense shapes; "
+                             "price it with the simulator (Engine(None, sim_gpu=..., sim_model=...))")
         self.config = cfg
         self._rope_tables: dict = {}   # (dtype, head_dim, theta, max_position) -> (cos, sin) of every position
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)

@@ -24,6 +24,12 @@ and the KV write move (one byte a value, and a scale per token and head); fp8 or
 weight bytes each projection reads. No quantized kernel was measured, so both
 run at the bf16 kernels' fitted rates (:mod:`.precision` says what that misses).
 
+A mixture-of-experts layer replaces the MLP by a router, the grouped GEMMs of
+the experts the step's tokens touch, shared experts and, with expert
+parallelism, a dispatch and a combine all-to-all (:mod:`.moe`). Under expert
+parallelism the attention runs data-parallel: each GPU takes every
+``ep``-th sequence, and the GPU with the most tokens sets the step's pace.
+
 The CPU side of a step is its own term: ``step_overhead_s`` for scheduling and
 input preparation, and a launch cost per kernel. Launches run ahead of the
 GPU, so the GPU's time and the launches overlap; a CUDA graph replaces a
@@ -44,6 +50,7 @@ import math
 from ..model.config import ModelConfig
 from .calibration import Calibration, default_calibration
 from .hardware import GPU
+from .moe import check_expert_parallel, moe_layer_seconds, routed_expert_parameters
 from .operators import (BYTES, GPUS_PER_NODE, all_reduce_time, check_tensor_parallel, gemm_time, layer_op_time,
                         projection_shape, send_recv_time, small_op_bytes, small_op_time)
 from .pipeline import (HANDOVER_TENSORS, PipelineTiming, handover_crosses_nodes, pipeline_time, split_microbatches,
@@ -54,6 +61,7 @@ from .roofline import RooflineCostModel, StepCost
 
 KERNELS_PER_LAYER = 12     # two norms, QKV, RoPE, KV write, attention, O, two adds, up, activation, down
 KERNELS_PER_STEP = 5       # embedding, final norm, LM head, sampling, the copy of the sampled ids
+MOE_KERNELS = 6            # router, top-k, gate/up grouped GEMM, activation, down grouped GEMM, weighted sum
 
 
 class CostModel:
@@ -67,28 +75,44 @@ class CostModel:
     committed fit). ``kv_cache_dtype`` (``"auto"`` = bf16, ``"fp8"``, ``"int8"``)
     and ``weight_dtype`` (``"auto"`` = bf16, ``"fp8"``, ``"int4"``): the bytes the
     KV cache and the projection weights are read in (:mod:`.precision`).
+    ``expert_parallel_size`` (a mixture of experts): experts split over that many
+    GPUs, attention data-parallel across them (:mod:`.moe`);
+    ``expert_load_imbalance``: the busiest of those GPUs' routed tokens over the
+    mean (1.0 = uniform).
     """
 
     def __init__(self, gpu: GPU, model: ModelConfig, tensor_parallel_size: int = 1,
                  step_overhead_s: float = 1e-3, cuda_graphs: bool = True, async_scheduling: bool = False,
                  calibration: Calibration | None = None, kv_cache_dtype: str = "auto",
-                 weight_dtype: str = "auto", pipeline_parallel_size: int = 1, gpus_per_node: int = GPUS_PER_NODE):
+                 weight_dtype: str = "auto", pipeline_parallel_size: int = 1, gpus_per_node: int = GPUS_PER_NODE,
+                 expert_parallel_size: int = 1, expert_load_imbalance: float = 1.0):
         check_tensor_parallel(model, tensor_parallel_size)
+        check_expert_parallel(model, expert_parallel_size, tensor_parallel_size, expert_load_imbalance)
+        if pipeline_parallel_size > 1 and model.is_moe:
+            raise ValueError(f"pipeline_parallel_size > 1 with a mixture of experts ({model.name}) is not "
+                             "simulated; use expert_parallel_size or tensor_parallel_size")
         self.stage_layers = stage_layers(model.num_layers, pipeline_parallel_size)   # checks pp
         self.gpu, self.model, self.tp, self.pp = gpu, model, tensor_parallel_size, pipeline_parallel_size
+        self.ep, self.load_imbalance = expert_parallel_size, expert_load_imbalance
+        self.num_gpus = tensor_parallel_size * pipeline_parallel_size * expert_parallel_size
         self.gpus_per_node = gpus_per_node
         self.step_overhead_s, self.cuda_graphs, self.async_scheduling = step_overhead_s, cuda_graphs, async_scheduling
         self.cal = calibration or default_calibration()
         self.kv_cache_dtype, self.weight_dtype = kv_cache_dtype, weight_dtype
         kv_head = kv_bytes_per_token_head(model.head_dim, kv_cache_dtype)     # one token, one KV head: K or V
         self.weight_elem = weight_bytes_per_element(weight_dtype)
+        routed = routed_expert_parameters(model) * self.weight_elem
         self.roofline = RooflineCostModel(gpu, model, step_overhead_s=0.0, weight_bytes=weight_bytes(model, weight_dtype),
-                                          kv_bytes_per_token=2 * model.num_layers * model.num_kv_heads * kv_head)
-        self.weight_bytes = self.roofline.weight_bytes                     # all GPUs together
+                                          kv_bytes_per_token=2 * model.num_layers * model.num_kv_heads * kv_head,
+                                          routed_expert_bytes=routed)
+        self.weight_bytes = self.roofline.weight_bytes                     # one copy of the model
         self.kv_bytes_per_token = self.roofline.kv_bytes_per_token         # all layers, all GPUs
-        self.linear_params = self.roofline.linear_params                   # parameters in the projections
+        self.linear_params = self.roofline.linear_params                   # parameters in the projections (active)
+        # weights held by all GPUs together: expert parallelism copies all but the routed experts to every GPU
+        self.resident_weight_bytes = (self.weight_bytes if self.ep == 1
+                                      else self.ep * (self.weight_bytes - routed) + routed)
         self.stage_weight_bytes = self._stage_weight_bytes()                # each stage's, its tp GPUs together
-        self.weight_bytes_per_gpu = (self.weight_bytes / tensor_parallel_size if pipeline_parallel_size == 1
+        self.weight_bytes_per_gpu = (self.resident_weight_bytes / self.num_gpus if pipeline_parallel_size == 1
                                      else max(self.stage_weight_bytes) / tensor_parallel_size)   # the fullest GPU
         tp, m = tensor_parallel_size, model
         # KV heads are split across the GPUs, or replicated when there are fewer heads than GPUs
@@ -100,14 +124,17 @@ class CostModel:
                              ("attn_pre_proj", "attn_post_proj", "mlp_up_proj", "mlp_down_proj")]
 
     # --- the GPU's part -----------------------------------------------------------------
-    def _layer_seconds(self, tokens: int) -> dict[str, float]:
-        """One layer's operators for ``tokens`` new tokens, attention aside."""
+    def _layer_seconds(self, tokens: int, dense_mlp: bool = True) -> dict[str, float]:
+        """One layer's operators for ``tokens`` new tokens, attention aside
+        (``dense_mlp=False``: without the MLP, which a MoE layer prices apart)."""
         gpu, cal, m, tp = self.gpu, self.cal, self.model, self.tp
         small = 0.0
-        for op in ("input_layernorm", "post_attention_layernorm", "mlp_act", "add", "add", "attn_rope"):
+        ops = ("input_layernorm", "post_attention_layernorm", "mlp_act", "add", "add", "attn_rope")
+        for op in (ops if dense_mlp else tuple(o for o in ops if o != "mlp_act")):
             small += layer_op_time(op, m, tokens, tp, gpu, cal)
         small += small_op_time("kv_write", tokens * self.kv_bytes_per_token_layer * 2, gpu, cal)   # read + write
-        return {"projections": sum(gemm_time(tokens, N, K, gpu, cal, self.weight_elem) for K, N in self._projections),
+        projections = self._projections if dense_mlp else self._projections[:2]
+        return {"projections": sum(gemm_time(tokens, N, K, gpu, cal, self.weight_elem) for K, N in projections),
                 "small operators": small,
                 "all-reduce": 2 * all_reduce_time(tokens * m.hidden_size * BYTES, tp, gpu, cal, self.gpus_per_node)}
 
@@ -141,6 +168,8 @@ class CostModel:
             return self._pipeline(shapes, logits_rows)[1]
         tokens = sum(q for q, _ in shapes)
         rows = len(shapes) if logits_rows is None else logits_rows
+        if self.model.is_moe:
+            return self._moe_gpu_seconds(shapes, tokens, rows)
         layers = self.model.num_layers
         parts = {k: layers * v for k, v in self._layer_seconds(tokens).items()}
         parts["attention"] = layers * self.attention_seconds(shapes)
@@ -246,6 +275,23 @@ class CostModel:
             raise ValueError("shapes must name at least one sequence (new tokens, context)")
         return self._pipeline(shapes, logits_rows, microbatches, schedule)[0]
 
+
+    def _moe_gpu_seconds(self, shapes, tokens: int, rows: int) -> dict[str, float]:
+        """A mixture of experts' step on its busiest GPU: dense layers whole, MoE
+        layers as attention plus :func:`~.moe.moe_layer_seconds`; under expert
+        parallelism the sequences are dealt round-robin to the GPUs, and the one
+        with the most new tokens (then the most context) sets the pace."""
+        m, ep = self.model, self.ep
+        local = max((shapes[r::ep] for r in range(ep)), key=lambda s: (sum(q for q, _ in s), sum(n for _, n in s)))
+        local_tokens = sum(q for q, _ in local)
+        dense, attn_side = self._layer_seconds(local_tokens), self._layer_seconds(local_tokens, dense_mlp=False)
+        parts = {k: m.first_k_dense_layers * dense[k] + m.num_moe_layers * attn_side[k] for k in dense}
+        parts["attention"] = m.num_layers * self.attention_seconds(local)
+        moe = moe_layer_seconds(m, tokens, self.gpu, self.cal, self.tp, ep, self.load_imbalance, self.weight_elem)
+        parts.update({k: m.num_moe_layers * v for k, v in moe.items()})
+        parts.update(self._once_seconds(local_tokens, math.ceil(rows / ep)))
+        return parts
+
     # --- the host's part ----------------------------------------------------------------
     def launch_seconds(self, shapes: list[tuple[int, int]]) -> float:
         """CPU time to launch the step's kernels (one graph replay for a decode-only
@@ -260,7 +306,13 @@ class CostModel:
             return max(m * (per_layer * n + e + 1) for n, e in zip(self.stage_layers, ends)) * self.cal.launch_s
         if self.cuda_graphs and all(q == 1 for q, _ in shapes):
             return self.cal.graph_launch_s
-        return (per_layer * self.model.num_layers + KERNELS_PER_STEP) * self.cal.launch_s
+        m = self.model
+        if not m.is_moe:
+            return (per_layer * m.num_layers + KERNELS_PER_STEP) * self.cal.launch_s
+        # a MoE layer's MLP: its own kernels (3 more per shared-expert MLP, 2 all-to-alls under EP)
+        moe = per_layer - 3 + MOE_KERNELS + (3 if m.num_shared_experts else 0) + (2 if self.ep > 1 else 0)
+        kernels = per_layer * m.first_k_dense_layers + moe * m.num_moe_layers + KERNELS_PER_STEP
+        return kernels * self.cal.launch_s
 
     # --- the step -----------------------------------------------------------------------
     def _timed(self, shapes, logits_rows) -> tuple[dict[str, float], float]:
@@ -302,6 +354,7 @@ class CostModel:
 
     def __repr__(self) -> str:
         tp = (f" x{self.tp}" if self.tp > 1 else "") + (f", {self.pp} stages" if self.pp > 1 else "")
+        tp += f" EP{self.ep}" if self.ep > 1 else ""
         dtypes = "".join(f", {k} {v}" for k, v in (("KV", self.kv_cache_dtype), ("weights", self.weight_dtype))
                          if v != "auto")
         return (f"CostModel({self.model.name} on {self.gpu.name}{tp}, host {self.step_overhead_s * 1e3:g} ms/step"

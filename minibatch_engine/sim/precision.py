@@ -65,12 +65,11 @@ def weight_bytes_per_element(weight_dtype: str) -> float:
 
 
 def projection_parameters(model: ModelConfig) -> int:
-    """Weights in the layers' projections (QKV, O, the MLP's), all layers: the
-    part that weight quantization shrinks."""
+    """Weights in the layers' projections (QKV, O, the MLP's or every expert's),
+    all layers: the part that weight quantization shrinks."""
     d, hd = model.hidden_size, model.head_dim
     attn = d * (model.num_heads + 2 * model.num_kv_heads) * hd + model.num_heads * hd * d
-    mlp = (3 if model.family == "llama" else 2) * d * model.intermediate_size
-    return model.num_layers * (attn + mlp)
+    return model.num_layers * attn + model.mlp_parameters()
 
 
 def weight_bytes(model: ModelConfig, weight_dtype: str = "auto") -> int:

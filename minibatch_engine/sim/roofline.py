@@ -13,6 +13,9 @@ step time = max(FLOPs / peak FLOP/s, bytes moved / HBM bandwidth) + overhead
   draft model's k forwards are priced by the same roofline for the draft's
   shape (:meth:`draft_time`), with no per-step overhead (an assumption: engines
   run the draft's small steps back to back, e.g. under CUDA graphs).
+* mixture of experts: FLOPs follow the active parameters (``k`` experts a
+  token); the routed experts' bytes follow the experts the step's tokens touch
+  in expectation (:func:`~.moe.expected_experts_touched`).
 * swaps: KV blocks copied between host and device at the GPU's host-link
   bandwidth, not overlapped with compute (preemption, chapter 6).
 
@@ -28,6 +31,7 @@ from dataclasses import dataclass, field
 
 from ..model.config import ModelConfig
 from .hardware import GPU
+from .moe import expected_experts_touched, routed_expert_parameters
 
 
 @dataclass
@@ -50,12 +54,17 @@ class RooflineCostModel:
 
     def __init__(self, gpu: GPU, model: ModelConfig, bytes_per_param: int = 2,
                  kv_bytes_per_element: int = 2, step_overhead_s: float = 1e-3,
-                 weight_bytes: float | None = None, kv_bytes_per_token: int | None = None):
+                 weight_bytes: float | None = None, kv_bytes_per_token: int | None = None,
+                 routed_expert_bytes: float | None = None):
         self.gpu, self.model = gpu, model
         self.bytes_per_param, self.kv_bytes_per_element = bytes_per_param, kv_bytes_per_element
         self.step_overhead_s = step_overhead_s
-        self.linear_params = model.num_parameters(include_embeddings=False)
+        # the projections a token runs through (a mixture of experts: its k routed experts)
+        self.linear_params = model.num_parameters(
+            include_embeddings=False, routed_experts=model.num_experts_per_tok if model.is_moe else None)
         self.weight_bytes = model.num_parameters() * bytes_per_param if weight_bytes is None else weight_bytes
+        self.routed_expert_bytes = (routed_expert_parameters(model) * bytes_per_param if routed_expert_bytes is None
+                                    else routed_expert_bytes)     # part of weight_bytes
         self.kv_bytes_per_token = (model.kv_bytes_per_token(kv_bytes_per_element) if kv_bytes_per_token is None
                                    else kv_bytes_per_token)
 
@@ -72,7 +81,11 @@ class RooflineCostModel:
                  + 2 * m.hidden_size * m.vocab_size * (len(shapes) if logits_rows is None else logits_rows))
         kv_read = sum(n - q for q, n in shapes) * self.kv_bytes_per_token
         kv_write = tokens * self.kv_bytes_per_token
-        return flops, self.weight_bytes + kv_read + kv_write
+        weights = self.weight_bytes
+        if m.is_moe:      # the routed experts no token of this step touches stay unread
+            untouched = 1 - expected_experts_touched(m.num_experts, m.num_experts_per_tok, tokens) / m.num_experts
+            weights -= self.routed_expert_bytes * untouched
+        return flops, weights + kv_read + kv_write
 
     def step_cost(self, shapes: list[tuple[int, int]], logits_rows: int | None = None) -> StepCost:
         """Cost of one step over sequences given as (new tokens q, context after the step n);

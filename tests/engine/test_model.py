@@ -89,7 +89,7 @@ def test_reserved_cache_refuses_when_full_or_too_long():
     assert cache.num_used_blocks == 1
 
 
-@pytest.mark.parametrize("name", sorted(PRESETS))
+@pytest.mark.parametrize("name", sorted(n for n, c in PRESETS.items() if not c.is_moe))   # MoE: simulator only
 def test_parameter_count_formula_matches_module(name):
     cfg = get_preset(name)
     if cfg.num_parameters() > 2e8:   # count big presets on the meta device
