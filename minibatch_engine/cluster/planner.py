@@ -27,6 +27,9 @@ The search is pruned in three ways, none of which can drop a better plan:
   configuration is searched below its GPU count only. (More replicas never
   hurt an SLO in this search's model: that is the one assumption.)
 
+And a simulation stops as soon as enough requests have missed the TTFT SLO to
+settle the percentile, so an overloaded candidate costs little.
+
 Pipeline parallelism comes in when the engine has it: ``pp`` sizes are data
 (:data:`DEFAULT_PP_SIZES`), ``(1,)`` until ``EngineConfig`` has a
 ``pipeline_parallel_size``.
@@ -88,7 +91,9 @@ class Candidate:
     throughputs, whether it meets the SLO, and ``headroom``: the larger of
     TTFT / TTFT SLO and TPOT / TPOT SLO (meets the SLO when <= 1). ``mfu`` and
     ``mbu`` are filled for the chosen plan; ``cost_per_mtok`` in USD per million
-    output tokens at the offered load."""
+    output tokens at the offered load. ``stopped``: the run was cut short once
+    enough requests had missed the TTFT SLO to settle the percentile; its
+    ``ttft_ms`` is then a lower bound and the rest NaN."""
     deployment: Deployment
     ttft_ms: float
     tpot_ms: float
@@ -99,12 +104,13 @@ class Candidate:
     cost_per_mtok: float
     mfu: float | None = None
     mbu: float | None = None
+    stopped: bool = False
 
     def row(self) -> dict:
         """Flat keys, for JSON and tables."""
         d = asdict(self)
         d.update(d.pop("deployment"), gpus=self.deployment.gpus)
-        return d
+        return {k: None if isinstance(v, float) and math.isnan(v) else v for k, v in d.items()}
 
 
 @dataclass(frozen=True)
@@ -164,6 +170,7 @@ class _Search:
     usd_per_gpu_hour: float
     offered_output_tps: float
     simulations: int = 0
+    check_every: int = 512                            # cluster events between checks for a settled miss
     cache: dict = field(default_factory=dict)
     clusters: dict = field(default_factory=dict)     # deployments that met the SLO -> their cluster
 
@@ -183,7 +190,14 @@ class _Search:
         cluster = Cluster({"all": (self.engines(d), make_router(self.router))})
         for i, s in enumerate(self.specs):
             cluster.submit(s.prompt_token_ids, s.sampling_params(), s.arrival_time, f"req-{i}")
-        cluster.run()
+        threshold = len(self.specs) - math.floor(self.percentile / 100 * (len(self.specs) - 1))
+        events = 0
+        while cluster.step():
+            events += 1
+            if events % self.check_every == 0:
+                lower = self.ttft_lower_bounds_ms(cluster)
+                if np.count_nonzero(lower > self.slo_ttft_ms) >= threshold:
+                    return self.stopped(d, lower), cluster
         timings = [t for r in cluster.replicas
                    for t in timings_from_trace(r.engine.requests.values(), r.engine.trace, "sim")]
         if len(timings) != len(self.specs):
@@ -196,6 +210,29 @@ class _Search:
         cost = cost_per_million_tokens(d.gpus, self.usd_per_gpu_hour, self.offered_output_tps)
         return Candidate(d, ttft, tpot, m["output_throughput"], m["request_throughput"], headroom <= 1, headroom,
                          cost), cluster
+
+    def ttft_lower_bounds_ms(self, cluster: Cluster) -> np.ndarray:
+        """Each request's TTFT so far (ms): its own once its first token is out,
+        else the time it has waited on its replica's clock (0 before it arrives)."""
+        out = []
+        for r in cluster.replicas:
+            e = r.engine
+            for req in e.requests.values():
+                a = req.arrival_time.get("sim")
+                if a is not None:
+                    first = e.trace[req.token_steps[0]].sim_end if req.token_steps else e.sim_now
+                    out.append(max(0.0, first - a) * 1e3)
+        return np.array(out + [0.0] * (len(self.specs) - len(out)))
+
+    def stopped(self, d: Deployment, lower_ms: np.ndarray) -> Candidate:
+        """A run cut short: so many requests missed the TTFT SLO that the
+        percentile misses it whatever the rest do. (Percentiles interpolate
+        between order statistics: once the top ``N - floor(p (N - 1) / 100)``
+        values exceed the SLO, so does the p-th percentile.)"""
+        ttft = _percentile(lower_ms, self.percentile)
+        nan = float("nan")
+        cost = cost_per_million_tokens(d.gpus, self.usd_per_gpu_hour, self.offered_output_tps)
+        return Candidate(d, ttft, nan, nan, nan, False, ttft / self.slo_ttft_ms, cost, stopped=True)
 
     def candidate(self, d: Deployment) -> Candidate:
         if d not in self.cache:
@@ -443,9 +480,10 @@ def _no_plan_message(plan: Plan) -> str:
     c = plan.closest
     if c is not None:
         d = c.deployment
+        reach = (f"TTFT above {c.ttft_ms:.0f} ms" if c.stopped
+                 else f"TTFT {c.ttft_ms:.0f} ms and TPOT {c.tpot_ms:.1f} ms")
         return (f"{head}; the closest: {d.gpus} GPUs (TP {d.tp}, PP {d.pp}, {d.replicas} replicas, budget "
-                f"{d.budget}) reach TTFT {c.ttft_ms:.0f} ms and TPOT {c.tpot_ms:.1f} ms; relax the SLO, lower "
-                "the rate or raise max_gpus")
+                f"{d.budget}) reach {reach}; relax the SLO, lower the rate or raise max_gpus")
     if plan.skipped and all(k.reason.startswith("weights do not fit") for k in plan.skipped):
         m, g = get_preset(s["model"]), get_gpu(s["gpu"])
         need = math.ceil(m.num_parameters() * 2 / (GPU_MEMORY_UTILIZATION * g.memory_bytes))
@@ -478,13 +516,16 @@ def format_plan(plan: Plan, rows: int = 10) -> str:
     lines += ["", header]
     for k in plan.candidates[:rows]:
         d = k.deployment
-        lines.append(f"{d.gpus:>5} {d.tp:>3} {d.pp:>3} {d.replicas:>5} {d.budget:>6} {k.ttft_ms:>12,.0f} "
-                     f"{k.tpot_ms:>12,.1f} {k.output_throughput:>10,.0f} {k.cost_per_mtok:>7.2f} "
-                     f"{'yes' if k.meets_slo else 'no':>9}")
+        ttft = f">{k.ttft_ms:,.0f}" if k.stopped else f"{k.ttft_ms:,.0f}"
+        tpot, tput = ("-", "-") if k.stopped else (f"{k.tpot_ms:,.1f}", f"{k.output_throughput:,.0f}")
+        lines.append(f"{d.gpus:>5} {d.tp:>3} {d.pp:>3} {d.replicas:>5} {d.budget:>6} {ttft:>12} {tpot:>12} "
+                     f"{tput:>10} {k.cost_per_mtok:>7.2f} {'yes' if k.meets_slo else 'no':>9}")
     for k in plan.skipped:
         budget = f", budget {k.budget}" if k.budget is not None else ""
         lines.append(f"skipped TP {k.tp} x PP {k.pp}{budget}: {k.reason}")
     if s["clipped_to_context"]:
         lines.append(f"note: requests longer than {s['model']}'s context were clipped to it")
+    if any(k.stopped for k in plan.candidates[:rows]):
+        lines.append(f"'>': the run stopped once enough requests had missed the TTFT SLO to settle its {p}")
     lines.append(f"{plan.simulations} simulations in {plan.seconds:.1f} s; price: {s['price_source']}")
     return "\n".join(lines)

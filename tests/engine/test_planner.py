@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from minibatch_engine.cluster.planner import (PP_SUPPORTED, Deployment, NoPlanError, _fit_reason, _workload_specs,
-                                              plan_deployment)
+from minibatch_engine.cluster.planner import (PP_SUPPORTED, Deployment, NoPlanError, _fit_reason, _Search,
+                                              _workload_specs, plan_deployment)
 from minibatch_engine.cluster.pricing import GPU_HOUR_USD, cost_per_million_tokens, gpu_hour_price
 from minibatch_engine.cluster.replicas import Cluster, sim_engines
 from minibatch_engine.cluster.router import make_router
@@ -68,6 +68,19 @@ def test_no_deployment_with_fewer_gpus_meets_the_slo(small_plan):
     assert feasible, "the small space must hold a feasible deployment for this test to mean anything"
     assert small_plan.chosen.deployment.gpus == min(feasible)
     assert min(feasible) > 1, "a one-GPU answer would not test the replica search"
+
+
+def test_a_run_stops_once_the_ttft_percentile_is_settled():
+    """An overloaded candidate stops early with a lower bound on its TTFT percentile, which the whole run exceeds."""
+    specs, _, _ = _workload_specs("azure-conv", 16.0, 40, 0, 0.0, None, 8192)
+    longest = max(len(x.prompt_token_ids) + x.max_tokens for x in specs)
+    search = _Search("llama-3-8b", "A100-80GB", specs, -(-longest // 16) * 16, 150.0, 30.0, 90.0,
+                     "least-requests", 256, 1.3, 1000.0, check_every=8)
+    d = Deployment(1, 1, 1, 2048)
+    c = search.run(d)[0]
+    assert c.stopped and not c.meets_slo and c.ttft_ms > 150.0 and np.isnan(c.tpot_ms)
+    ttft, _ = _simulate(d)
+    assert ttft >= c.ttft_ms
 
 
 def test_the_cost_per_million_tokens_is_gpus_times_price_over_tokens(small_plan):
