@@ -476,7 +476,8 @@ def _add_utilization(search: _Search, c: Candidate) -> None:
 def _no_plan_message(plan: Plan) -> str:
     s = plan.settings
     slo = f"p{s['percentile']:g} TTFT <= {s['slo_ttft_ms']:g} ms and TPOT <= {s['slo_tpot_ms']:g} ms"
-    head = f"no deployment of {s['model']} on {s['gpu']} (up to {s['max_gpus']} GPUs) meets {slo} at {s['rate']:g} req/s"
+    head = (f"no deployment of {s['model']} on {s['gpu']} (up to {s['max_gpus']} GPUs) meets {slo} "
+            f"at {s['rate']:g} req/s")
     c = plan.closest
     if c is not None:
         d = c.deployment
