@@ -91,7 +91,9 @@ class Candidate:
     throughputs, whether it meets the SLO, and ``headroom``: the larger of
     TTFT / TTFT SLO and TPOT / TPOT SLO (meets the SLO when <= 1). ``mfu`` and
     ``mbu`` are filled for the chosen plan; ``cost_per_mtok`` in USD per million
-    output tokens at the offered load. ``stopped``: the run was cut short once
+    output tokens at the offered load (``cost_per_mtok_total``: per million
+    prompt and output tokens, the fairer unit for prefill-heavy traffic such as
+    code completion). ``stopped``: the run was cut short once
     enough requests had missed the TTFT SLO to settle the percentile; its
     ``ttft_ms`` is then a lower bound and the rest NaN."""
     deployment: Deployment
@@ -102,6 +104,7 @@ class Candidate:
     meets_slo: bool
     headroom: float
     cost_per_mtok: float
+    cost_per_mtok_total: float
     mfu: float | None = None
     mbu: float | None = None
     stopped: bool = False
@@ -169,6 +172,7 @@ class _Search:
     max_batch: int
     usd_per_gpu_hour: float
     offered_output_tps: float
+    offered_total_tps: float
     simulations: int = 0
     check_every: int = 512                            # cluster events between checks for a settled miss
     cache: dict = field(default_factory=dict)
@@ -207,9 +211,13 @@ class _Search:
         key = f"{self.percentile:g}"
         ttft, tpot = m[f"ttft_ms_p{key}"], m[f"tpot_ms_p{key}"]
         headroom = max(ttft / self.slo_ttft_ms, tpot / self.slo_tpot_ms)
-        cost = cost_per_million_tokens(d.gpus, self.usd_per_gpu_hour, self.offered_output_tps)
         return Candidate(d, ttft, tpot, m["output_throughput"], m["request_throughput"], headroom <= 1, headroom,
-                         cost), cluster
+                         *self.costs(d)), cluster
+
+    def costs(self, d: Deployment) -> tuple[float, float]:
+        """USD per million output tokens, and per million prompt and output tokens, at the offered load."""
+        return (cost_per_million_tokens(d.gpus, self.usd_per_gpu_hour, self.offered_output_tps),
+                cost_per_million_tokens(d.gpus, self.usd_per_gpu_hour, self.offered_total_tps))
 
     def ttft_lower_bounds_ms(self, cluster: Cluster) -> np.ndarray:
         """Each request's TTFT so far (ms): its own once its first token is out,
@@ -231,8 +239,7 @@ class _Search:
         values exceed the SLO, so does the p-th percentile.)"""
         ttft = _percentile(lower_ms, self.percentile)
         nan = float("nan")
-        cost = cost_per_million_tokens(d.gpus, self.usd_per_gpu_hour, self.offered_output_tps)
-        return Candidate(d, ttft, nan, nan, nan, False, ttft / self.slo_ttft_ms, cost, stopped=True)
+        return Candidate(d, ttft, nan, nan, nan, False, ttft / self.slo_ttft_ms, *self.costs(d), stopped=True)
 
     def candidate(self, d: Deployment) -> Candidate:
         if d not in self.cache:
@@ -406,15 +413,17 @@ def plan_deployment(model: str, gpu: str, workload: str = "azure-conv", rate: fl
     max_model_len = min(m.max_position, -(-longest // 16) * 16)
     out_tokens = sum(s.max_tokens for s in specs)
     span = max(s.arrival_time for s in specs) - min(s.arrival_time for s in specs)
-    offered_tps = out_tokens / span if span > 0 else out_tokens * rate / len(specs)
+    all_tokens = out_tokens + sum(len(s.prompt_token_ids) for s in specs)
+    per_s = 1 / span if span > 0 else rate / len(specs)          # the window's arrival span sets the load
+    offered_tps, offered_total_tps = out_tokens * per_s, all_tokens * per_s
     search = _Search(m.name, g.name, specs, max_model_len, slo_ttft_ms, slo_tpot_ms, percentile, router,
-                     max_batch, price.usd_per_gpu_hour, offered_tps)
+                     max_batch, price.usd_per_gpu_hour, offered_tps, offered_total_tps)
     settings = {"model": m.name, "gpu": g.name, "workload": label, "rate": rate, "num_requests": len(specs),
                 "clipped_to_context": clipped, "slo_ttft_ms": slo_ttft_ms, "slo_tpot_ms": slo_tpot_ms,
                 "percentile": percentile, "router": router, "max_gpus": max_gpus, "max_batch": max_batch,
                 "max_model_len": max_model_len, "tp_sizes": list(tp_sizes), "pp_sizes": list(pp_sizes),
                 "budgets": list(budgets), "usd_per_gpu_hour": price.usd_per_gpu_hour, "price_source": price.source,
-                "offered_output_tokens_per_s": offered_tps, "pipeline_parallel_in_engine": PP_SUPPORTED}
+                "offered_output_tokens_per_s": offered_tps, "offered_tokens_per_s": offered_total_tps, "pipeline_parallel_in_engine": PP_SUPPORTED}
     kv_longest = m.kv_bytes_per_token() * longest
     skipped, configs = [], []
     for tp in tp_sizes:
@@ -509,9 +518,10 @@ def format_plan(plan: Plan, rows: int = 10) -> str:
         lines.append(f"plan: {d.gpus} GPUs = {d.replicas} replica(s) x TP {d.tp} x PP {d.pp}, token budget "
                      f"{d.budget}: {p} TTFT {c.ttft_ms:.0f} ms, {p} TPOT {c.tpot_ms:.1f} ms, "
                      f"{c.output_throughput:,.0f} output tok/s")
-        lines.append(f"cost: ${c.cost_per_mtok:.2f} per million output tokens at ${s['usd_per_gpu_hour']:.2f} per "
-                     f"GPU-hour ({s['offered_output_tokens_per_s']:,.0f} output tok/s offered); MFU "
-                     f"{c.mfu:.1%}, MBU {c.mbu:.1%} over the run")
+        lines.append(f"cost: ${c.cost_per_mtok:.2f} per million output tokens (${c.cost_per_mtok_total:.2f} per "
+                     f"million prompt + output tokens) at ${s['usd_per_gpu_hour']:.2f} per GPU-hour, serving the "
+                     f"offered {s['offered_output_tokens_per_s']:,.0f} output tok/s; MFU {c.mfu:.1%}, MBU "
+                     f"{c.mbu:.1%} over the run")
     header = (f"{'GPUs':>5} {'TP':>3} {'PP':>3} {'repl':>5} {'budget':>6} {p + ' TTFT ms':>12} "
               f"{p + ' TPOT ms':>12} {'out tok/s':>10} {'$/Mtok':>7} {'meets SLO':>9}")
     lines += ["", header]

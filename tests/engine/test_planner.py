@@ -75,7 +75,7 @@ def test_a_run_stops_once_the_ttft_percentile_is_settled():
     specs, _, _ = _workload_specs("azure-conv", 16.0, 40, 0, 0.0, None, 8192)
     longest = max(len(x.prompt_token_ids) + x.max_tokens for x in specs)
     search = _Search("llama-3-8b", "A100-80GB", specs, -(-longest // 16) * 16, 150.0, 30.0, 90.0,
-                     "least-requests", 256, 1.3, 1000.0, check_every=8)
+                     "least-requests", 256, 1.3, 1000.0, 5000.0, check_every=8)
     d = Deployment(1, 1, 1, 2048)
     c = search.run(d)[0]
     assert c.stopped and not c.meets_slo and c.ttft_ms > 150.0 and np.isnan(c.tpot_ms)
@@ -92,6 +92,8 @@ def test_the_cost_per_million_tokens_is_gpus_times_price_over_tokens(small_plan)
     specs, _, _ = _workload_specs("azure-conv", 16.0, 40, 0, 0.0, None, 8192)
     span = specs[-1].arrival_time - specs[0].arrival_time
     assert s["offered_output_tokens_per_s"] == pytest.approx(sum(x.max_tokens for x in specs) / span)
+    total = sum(x.max_tokens + len(x.prompt_token_ids) for x in specs) / span
+    assert c.cost_per_mtok_total == pytest.approx(c.deployment.gpus * s["usd_per_gpu_hour"] / 3600 / total * 1e6)
 
 
 def test_every_simulated_gpu_has_a_cited_default_price():
@@ -164,7 +166,7 @@ def test_cli_plan_prints_the_plan_and_writes_json(tmp_path, capsys):
                "--tp", "1,2", "--budgets", "2048", "--gpu-hour-usd", "5", "--no-progress", "--json", str(out)])
     text = capsys.readouterr().out
     assert rc == 0
-    assert "plan: 1 GPUs" in text and "per million output tokens at $5.00 per GPU-hour" in text and "MFU" in text
+    assert "plan: 1 GPUs" in text and "per million prompt + output tokens) at $5.00 per GPU-hour" in text and "MFU" in text
     d = json.loads(out.read_text())
     assert d["chosen"]["gpus"] == 1 and d["settings"]["usd_per_gpu_hour"] == 5
     assert np.isfinite(d["chosen"]["mfu"]) and d["candidates"]
