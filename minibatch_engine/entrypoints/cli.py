@@ -1,4 +1,4 @@
-"""``python -m minibatch_engine {generate,bench,simulate,sweep,serve,route}`` (also ``minibatch-engine``).
+"""``python -m minibatch_engine {generate,bench,simulate,sweep,plan,serve,route}`` (also ``minibatch-engine``).
 
 Every user error (a bad option value, a missing checkpoint, an impossible
 configuration) prints ``error: ...`` and exits with status 2.
@@ -295,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
                                     "With --sim-gpu the simulator alone; without, the real model on the wall "
                                     "clock through AsyncLLM (an open-loop client).")
     _bench_args(sw, False, sweep=True)
+    _plan_args(sub)
     sv = sub.add_parser("serve", formatter_class=FORMATTER, help="serve OpenAI's API over HTTP",
                         description="An OpenAI-compatible HTTP server (as vLLM serves the API): POST "
                                     "/v1/completions and /v1/chat/completions (streaming or not), GET /v1/models, "
@@ -315,6 +316,92 @@ def build_parser() -> argparse.ArgumentParser:
     _bench_args(sv, False, serve=True)
     _route_args(sub)
     return parser
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    values = tuple(int(v) for v in text.split(",") if v.strip())
+    if not values or min(values) < 1:
+        raise ValueError("empty or < 1")
+    return values
+
+
+def _plan_args(sub) -> None:
+    from ..cluster.planner import (DEFAULT_BUDGETS, DEFAULT_MAX_GPUS, DEFAULT_NUM_REQUESTS, DEFAULT_PP_SIZES,
+                                   DEFAULT_ROUTER, DEFAULT_TP_SIZES)
+    from ..cluster.pricing import GPU_HOUR_USD, PRICE_SOURCE
+    from ..cluster.router import ROUTER_POLICIES
+    ints = _checked(_int_list, lambda v: True, "integers >= 1, comma-separated (e.g. 1,2,4,8)")
+    join = lambda v: ",".join(map(str, v))    # noqa: E731
+    pl = sub.add_parser("plan", formatter_class=FORMATTER, help="size a deployment: fewest GPUs that meet an SLO",
+                        description="Search tensor parallelism x pipeline parallelism x replicas x the chunked-"
+                                    "prefill token budget for the fewest simulated GPUs whose run of the workload "
+                                    "at --rate keeps the --percentile TTFT and TPOT within the SLO. Prints the "
+                                    "plan, its cost per million output tokens, MFU and MBU, and the runner-ups.")
+    pl.add_argument("--model", required=True, choices=sorted(PRESETS), help="model shape to deploy")
+    pl.add_argument("--gpu", required=True, choices=[g.name for g in GPUS.values()], help="GPU kind")
+    pl.add_argument("--workload", default="azure-conv", metavar="NAME|CSV",
+                    help="a trace (" + ", ".join(TRACE_FILES) + ", or a trace CSV) or a synthetic workload ("
+                         + ", ".join(workload_names()) + ", with Poisson arrivals)")
+    pl.add_argument("--rate", type=positive_float, required=True, metavar="R",
+                    help="requests/s to serve (a trace's window is replayed at this mean rate)")
+    pl.add_argument("--slo-ttft-ms", type=positive_float, default=500.0, metavar="MS", help="TTFT target")
+    pl.add_argument("--slo-tpot-ms", type=positive_float, default=50.0, metavar="MS", help="TPOT target")
+    pl.add_argument("--percentile", type=_checked(float, lambda v: 0 < v < 100, "a percentile in (0, 100)"),
+                    default=90.0, metavar="P",
+                    help="the SLO holds for this percentile of TTFT and of TPOT (default: 90, DistServe's "
+                         "attainment target; p99 of a few hundred simulated requests rests on a handful of "
+                         "them, so 99 needs a larger --num-requests; MLPerf's server scenario uses 99)")
+    prices = ", ".join(f"{k} ${v.usd_per_gpu_hour:.2f}" for k, v in GPU_HOUR_USD.items())
+    pl.add_argument("--gpu-hour-usd", type=positive_float, default=None, metavar="USD",
+                    help=f"price of one GPU for an hour (default: {prices}; from {PRICE_SOURCE} Prices change "
+                         "monthly and vary 2-3x between providers: pass yours)")
+    pl.add_argument("--tp", type=ints, default=DEFAULT_TP_SIZES, metavar="N,N,...",
+                    help=f"tensor-parallel sizes to try (default: {join(DEFAULT_TP_SIZES)}: one NVLink node)")
+    pl.add_argument("--pp", type=ints, default=DEFAULT_PP_SIZES, metavar="N,N,...",
+                    help=f"pipeline-parallel sizes to try (default: {join(DEFAULT_PP_SIZES)})")
+    pl.add_argument("--budgets", type=ints, default=DEFAULT_BUDGETS, metavar="T,T,...",
+                    help=f"chunked-prefill token budgets to try (default: {join(DEFAULT_BUDGETS)})")
+    pl.add_argument("--max-gpus", type=positive_int, default=DEFAULT_MAX_GPUS, metavar="N",
+                    help="the most GPUs a plan may use")
+    pl.add_argument("--max-batch", type=positive_int, default=256, help="most sequences per step (max_num_seqs)")
+    pl.add_argument("--router", choices=list(ROUTER_POLICIES), default=DEFAULT_ROUTER,
+                    help="how requests are spread over the replicas")
+    pl.add_argument("--num-requests", type=positive_int, default=DEFAULT_NUM_REQUESTS, metavar="N",
+                    help="requests simulated per candidate (a trace: the window's first N)")
+    pl.add_argument("--trace-start", type=non_negative_float, default=0.0, metavar="S",
+                    help="a trace: start the window S trace seconds in")
+    pl.add_argument("--trace-duration", type=positive_float, default=None, metavar="S",
+                    help="a trace: the window's length in trace seconds (default: as long as N requests need)")
+    pl.add_argument("--seed", type=seed_int, default=0, help="workload seed")
+    pl.add_argument("--exhaustive", action="store_true",
+                    help="find every configuration's own fewest replicas, not only those that could beat the "
+                         "best plan so far (more simulations)")
+    pl.add_argument("--rows", type=positive_int, default=10, help="runner-up rows to print")
+    pl.add_argument("--json", metavar="PATH", help="write the plan, every candidate and the skipped configurations")
+    pl.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _plan(args) -> int:
+    import json
+    from ..cluster.planner import NoPlanError, format_plan, plan_deployment
+    opts = dict(rate=args.rate, slo_ttft_ms=args.slo_ttft_ms, slo_tpot_ms=args.slo_tpot_ms,
+                percentile=args.percentile, gpu_hour_usd=args.gpu_hour_usd, tp_sizes=args.tp, pp_sizes=args.pp,
+                budgets=args.budgets, max_gpus=args.max_gpus, num_requests=args.num_requests,
+                trace_start=args.trace_start, trace_duration=args.trace_duration, seed=args.seed,
+                router=args.router, max_batch=args.max_batch, prune=not args.exhaustive,
+                progress=not args.no_progress)
+    try:
+        plan, error = plan_deployment(args.model, args.gpu, args.workload, **opts), None
+    except NoPlanError as e:
+        plan, error = e.plan, e
+    print(format_plan(plan, rows=args.rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(plan.to_dict(), f, indent=1)
+        print(f"json: {args.json}")
+    if error is not None:
+        raise error
+    return 0
 
 
 def _access_args(p: argparse.ArgumentParser) -> None:
@@ -425,6 +512,8 @@ def main(argv=None) -> int:
             return _sweep(args)
         if args.command == "simulate" and _is_cluster(args):
             return _cluster(args)
+        if args.command == "plan":
+            return _plan(args)
         if args.command == "serve":
             return _serve(args)
         if args.command == "route":

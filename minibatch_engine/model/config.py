@@ -198,6 +198,13 @@ LLAMA_3_70B = ModelConfig(
     family="llama", name="llama-3-70b", vocab_size=128256, hidden_size=8192, num_layers=80,
     num_heads=64, num_kv_heads=8, intermediate_size=28672, max_position=8192,
     rope_theta=500000.0)
+# meta-llama/Llama-3.1-405B's config.json (Hugging Face, July 2024): 126 layers, 16384 wide, 128 query
+# heads over 8 KV heads, SwiGLU 53248 wide, 128K context (its "llama3" RoPE scaling is not modelled:
+# the simulator prices shapes only).
+LLAMA_3_1_405B = ModelConfig(
+    family="llama", name="llama-3.1-405b", vocab_size=128256, hidden_size=16384, num_layers=126,
+    num_heads=128, num_kv_heads=8, intermediate_size=53248, max_position=131072,
+    rope_theta=500000.0)
 # Llama 3.2 1B shares Llama 3's tokenizer: the usual draft for an 8B or 70B target.
 LLAMA_3_2_1B = ModelConfig(
     family="llama", name="llama-3.2-1b", vocab_size=128256, hidden_size=2048, num_layers=16,
@@ -250,8 +257,8 @@ DEEPSEEK_V3_LIKE = ModelConfig(
     first_k_dense_layers=3)
 
 PRESETS: dict[str, ModelConfig] = {
-    c.name: c for c in (TINY, LLAMA_2_7B, LLAMA_2_13B, LLAMA_3_8B, LLAMA_3_70B, LLAMA_3_2_1B, GPT2_SMALL,
-                        MIXTRAL_8X7B, QWEN3_30B_A3B, QWEN3_235B_A22B, DEEPSEEK_V3_LIKE)
+    c.name: c for c in (TINY, LLAMA_2_7B, LLAMA_2_13B, LLAMA_3_8B, LLAMA_3_70B, LLAMA_3_1_405B, LLAMA_3_2_1B,
+                        GPT2_SMALL, MIXTRAL_8X7B, QWEN3_30B_A3B, QWEN3_235B_A22B, DEEPSEEK_V3_LIKE)
 }
 
 

@@ -23,7 +23,7 @@ LAYERS = [
     {"scheduler", "speculative"},
     {"runner"},
     {"config", "core.trace", "core.engine_stats", "harness.metrics", "harness.profiling", "harness.workload",
-     "harness.request_traces", "harness.machine_limit"},
+     "harness.request_traces", "harness.machine_limit", "harness.utilization"},
     {"core.engine"},
     {"llm", "entrypoints.async_llm", "harness.bench", "harness.sweep", "harness.vs_transformers", "book", "cluster"},
     {"entrypoints.server", "harness.endpoint_client"},   # HTTP: the OpenAI-compatible server and its load client
