@@ -106,7 +106,7 @@ def test_every_simulated_gpu_has_a_cited_default_price():
 
 
 def test_configurations_that_do_not_fit_are_skipped_with_the_reason():
-    plan = plan_deployment("llama-3-70b", "H100-SXM", "azure-conv", 1.0, tp_sizes=(1, 8), budgets=(2048,),
+    plan = plan_deployment("llama-3-70b", "H100-SXM", "azure-conv", 1.0, tp_sizes=(1, 8), pp_sizes=(1,), budgets=(2048,),
                            num_requests=10, max_gpus=8)
     (tp1,) = [k for k in plan.skipped if k.tp == 1]
     assert "weights do not fit" in tp1.reason and "141 GB" in tp1.reason
@@ -182,4 +182,4 @@ def test_cli_plan_errors(capsys):
     assert main(["plan", "--model", "llama-9", "--gpu", "H200", "--rate", "1"]) == 2
     assert "invalid choice: 'llama-9'" in capsys.readouterr().err
     assert main(["plan", "--model", "llama-3-8b", "--gpu", "H200", "--rate", "1", "--pp", "64"]) == 2
-    assert "pipeline_parallel_size" in capsys.readouterr().err
+    assert "exceeds the model's 32 layers" in capsys.readouterr().err
