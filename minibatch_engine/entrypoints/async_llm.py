@@ -119,17 +119,24 @@ class AsyncLLM:
     then refuse it.
 
     ``stat_loggers``: objects with ``record(SchedulerStats, IterationStats)``
-    (:mod:`minibatch_engine.core.engine_stats`), called after every step."""
+    (:mod:`minibatch_engine.core.engine_stats`), called after every step.
+    ``kv_event_publisher``: an object with ``publish(events)``, given each step's
+    KV-cache events (:mod:`minibatch_engine.kv.events`; the server's ZeroMQ
+    publisher); None (the default) records none."""
 
     def __init__(self, model="tiny", tokenizer=None, device: str = "auto", dtype: str = "float32",
                  seed: int = 0, step_in_thread: bool = True, history: int | None = None,
-                 stat_loggers: Sequence = (), quantization: str | None = None, **engine_options):
+                 stat_loggers: Sequence = (), quantization: str | None = None, kv_event_publisher=None,
+                 **engine_options):
         from ..model.registry import resolve_model, tokenizer_for
         config = EngineConfig().with_overrides(**engine_options)
         self.model = resolve_model(model, device=device, dtype=dtype, seed=seed, quantization=quantization)
         self.tokenizer = tokenizer if tokenizer is not None else tokenizer_for(getattr(self.model, "source", None))
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         self.engine = Engine(self.model, config, eos_token_id=eos, tokenizer=self.tokenizer)
+        self.kv_event_publisher = kv_event_publisher
+        if kv_event_publisher is not None:
+            self.engine.kv_cache.record_kv_events()
         self.history = history
         if history is not None:
             self.engine.trace = Trace(max_steps=history)   # checks the value
@@ -419,6 +426,11 @@ class AsyncLLM:
         delta, st.text = full[len(st.text):], full
         return delta, cut is not None
 
+    def _publish_kv_events(self) -> None:
+        events = self.engine.kv_cache.take_kv_events()
+        if events:
+            self.kv_event_publisher.publish(events)
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         try:
@@ -437,6 +449,8 @@ class AsyncLLM:
                 else:
                     self.engine.step()
                     await asyncio.sleep(0)
+                if self.kv_event_publisher is not None:
+                    self._publish_kv_events()
                 self._dispatch()
                 self._log_stats()
         except asyncio.CancelledError:
