@@ -213,3 +213,10 @@ def test_a_subscriber_sees_exactly_the_blocks_the_engine_stores_and_evicts(layou
                 assert held.pop(h) is not None
     assert held == {h: manager.blocks[b].tokens for h, b in manager.cached.items()}
     assert any(isinstance(e, BlockRemoved) for e in events), "the tiny pool should have evicted"
+
+
+def test_serve_refuses_a_bad_kv_events_config_by_name_before_loading_the_model(capsys):
+    from minibatch_engine.entrypoints.cli import main
+    assert main(["serve", "--model", "tiny", "--port", "0", "--kv-events-config",
+                 '{"enable_kv_cache_events": true, "endpont": "tcp://*:5557"}']) == 2
+    assert "--kv-events-config: unknown field(s) endpont" in capsys.readouterr().err
