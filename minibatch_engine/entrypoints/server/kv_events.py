@@ -27,7 +27,10 @@ Block hashes go out as unsigned 64-bit integers: the engine's own chained
 hashes (Python's ``hash``, a signed 64-bit value) in two's complement. They are
 names, not a function a router must reproduce: vllm-router keys its index by
 the token ids each ``BlockStored`` carries, llm-d recomputes its own hashes
-from them, and both use the engine's hashes only to match a removal to its store.
+from them (its "request keys", mapped from the engine's keys), and both use the
+engine's hashes only to chain a store to its parent and match a removal to its
+store. So the names need not agree across replicas, and they do not: before
+Python 3.12 ``hash(None)``, the first block's parent, differs per process.
 
 With ``replay_endpoint``, a ROUTER socket answers a subscriber that missed
 messages: it sends ``[b"", start sequence (8 bytes)]`` and receives every
