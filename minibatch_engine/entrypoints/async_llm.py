@@ -146,6 +146,7 @@ class AsyncLLM:
         # notes for the loop, keyed by the stream object (an id may be reused once forgotten)
         self._inbox: list[tuple[_Stream, list[int], SamplingParams, str | None, int]] = []
         self._aborts: list[_Stream] = []
+        self._resets: list[asyncio.Future] = []        # reset_prefix_cache calls waiting for a step's end
         self._ids = itertools.count()
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
@@ -234,6 +235,26 @@ class AsyncLLM:
         for st in streams:
             self._abort_soon(st)
         return len(streams)
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (vLLM's ``reset_prefix_cache``), between
+        two steps; with a KV-event publisher, subscribers get ``AllBlocksCleared``.
+        False, changing nothing, while a request holds blocks or without a prefix cache."""
+        if getattr(self.engine.kv_cache, "reset_prefix_cache", None) is None:
+            return False
+        self._check_loop()
+        if self._task is None or self._task.done():     # no engine loop: nothing is stepping
+            return self._reset_now()
+        done = asyncio.get_running_loop().create_future()
+        self._resets.append(done)
+        self._wake.set()
+        return await done
+
+    def _reset_now(self) -> bool:
+        ok = self.engine.kv_cache.reset_prefix_cache()
+        if self.kv_event_publisher is not None:
+            self._publish_kv_events()
+        return ok
 
     async def wait_idle(self) -> None:
         """Return once every submitted request and abort has been dealt with."""
@@ -435,6 +456,10 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         try:
             while True:
+                while self._resets:             # between steps: the engine is the loop's alone
+                    done = self._resets.pop(0)
+                    if not done.done():
+                        done.set_result(self._reset_now())
                 self._take_inbox()
                 self._dispatch()                # requests aborted or refused above end here
                 if self._iteration.finished_requests:

@@ -220,3 +220,24 @@ def test_serve_refuses_a_bad_kv_events_config_by_name_before_loading_the_model(c
     assert main(["serve", "--model", "tiny", "--port", "0", "--kv-events-config",
                  '{"enable_kv_cache_events": true, "endpont": "tcp://*:5557"}']) == 2
     assert "--kv-events-config: unknown field(s) endpont" in capsys.readouterr().err
+
+
+def test_serve_publishes_its_steps_and_a_reset_prefix_cache_as_all_blocks_cleared():
+    pytest.importorskip("aiohttp")
+    from minibatch_engine.entrypoints.server import ServerThread, make_app
+    from .server_fixtures import post
+    pub, replay_port = free_tcp_port(), free_tcp_port()
+    app = make_app("tiny", device="cpu", attention_backend="sdpa", max_num_seqs=4, max_model_len=128, block_size=4,
+                   kv_events_config={"enable_kv_cache_events": True, "endpoint": f"tcp://*:{pub}",
+                                     "replay_endpoint": f"tcp://*:{replay_port}"})
+    with ServerThread(app) as s:
+        status, body, _ = post(s.url, {"prompt": list(range(1, 12)), "max_tokens": 2})
+        assert status == 200, body
+        assert post(s.url, {}, path="/reset_prefix_cache")[:2] == (200, {"reset": True})
+        batches = [msgpack.unpackb(p) for _, p in replay(f"tcp://127.0.0.1:{replay_port}")]
+        assert s.llm.engine.kv_cache.manager.cached == {}
+    stored = [e for b in batches[:-1] for e in b[1]]
+    assert stored and all(e["type"] == "BlockStored" for e in stored)
+    tokens = [t for e in stored for t in e["token_ids"]]
+    assert len(tokens) == 12 and tokens[:11] == list(range(1, 12))   # three full blocks: 11 prompt tokens, 1 sampled
+    assert batches[-1][1] == [{"type": "AllBlocksCleared"}]
