@@ -241,3 +241,12 @@ def test_serve_publishes_its_steps_and_a_reset_prefix_cache_as_all_blocks_cleare
     tokens = [t for e in stored for t in e["token_ids"]]
     assert len(tokens) == 12 and tokens[:11] == list(range(1, 12))   # three full blocks: 11 prompt tokens, 1 sampled
     assert batches[-1][1] == [{"type": "AllBlocksCleared"}]
+
+
+def test_reset_prefix_cache_asks_for_the_api_key():
+    pytest.importorskip("aiohttp")
+    from minibatch_engine.entrypoints.server import ServerThread, make_app
+    from .server_fixtures import post
+    with ServerThread(make_app("tiny", device="cpu", attention_backend="sdpa", max_model_len=64,
+                               api_keys=["k"])) as s:
+        assert post(s.url, {}, path="/reset_prefix_cache")[0] == 401
