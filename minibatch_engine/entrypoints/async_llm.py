@@ -119,17 +119,24 @@ class AsyncLLM:
     then refuse it.
 
     ``stat_loggers``: objects with ``record(SchedulerStats, IterationStats)``
-    (:mod:`minibatch_engine.core.engine_stats`), called after every step."""
+    (:mod:`minibatch_engine.core.engine_stats`), called after every step.
+    ``kv_event_publisher``: an object with ``publish(events)``, given each step's
+    KV-cache events (:mod:`minibatch_engine.kv.events`; the server's ZeroMQ
+    publisher); None (the default) records none."""
 
     def __init__(self, model="tiny", tokenizer=None, device: str = "auto", dtype: str = "float32",
                  seed: int = 0, step_in_thread: bool = True, history: int | None = None,
-                 stat_loggers: Sequence = (), quantization: str | None = None, **engine_options):
+                 stat_loggers: Sequence = (), quantization: str | None = None, kv_event_publisher=None,
+                 **engine_options):
         from ..model.registry import resolve_model, tokenizer_for
         config = EngineConfig().with_overrides(**engine_options)
         self.model = resolve_model(model, device=device, dtype=dtype, seed=seed, quantization=quantization)
         self.tokenizer = tokenizer if tokenizer is not None else tokenizer_for(getattr(self.model, "source", None))
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         self.engine = Engine(self.model, config, eos_token_id=eos, tokenizer=self.tokenizer)
+        self.kv_event_publisher = kv_event_publisher
+        if kv_event_publisher is not None:
+            self.engine.kv_cache.record_kv_events()
         self.history = history
         if history is not None:
             self.engine.trace = Trace(max_steps=history)   # checks the value
@@ -139,6 +146,7 @@ class AsyncLLM:
         # notes for the loop, keyed by the stream object (an id may be reused once forgotten)
         self._inbox: list[tuple[_Stream, list[int], SamplingParams, str | None, int]] = []
         self._aborts: list[_Stream] = []
+        self._resets: list[asyncio.Future] = []        # reset_prefix_cache calls waiting for a step's end
         self._ids = itertools.count()
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
@@ -227,6 +235,26 @@ class AsyncLLM:
         for st in streams:
             self._abort_soon(st)
         return len(streams)
+
+    async def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix block (vLLM's ``reset_prefix_cache``), between
+        two steps; with a KV-event publisher, subscribers get ``AllBlocksCleared``.
+        False, changing nothing, while a request holds blocks or without a prefix cache."""
+        if getattr(self.engine.kv_cache, "reset_prefix_cache", None) is None:
+            return False
+        self._check_loop()
+        if self._task is None or self._task.done():     # no engine loop: nothing is stepping
+            return self._reset_now()
+        done = asyncio.get_running_loop().create_future()
+        self._resets.append(done)
+        self._wake.set()
+        return await done
+
+    def _reset_now(self) -> bool:
+        ok = self.engine.kv_cache.reset_prefix_cache()
+        if self.kv_event_publisher is not None:
+            self._publish_kv_events()
+        return ok
 
     async def wait_idle(self) -> None:
         """Return once every submitted request and abort has been dealt with."""
@@ -419,10 +447,19 @@ class AsyncLLM:
         delta, st.text = full[len(st.text):], full
         return delta, cut is not None
 
+    def _publish_kv_events(self) -> None:
+        events = self.engine.kv_cache.take_kv_events()
+        if events:
+            self.kv_event_publisher.publish(events)
+
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         try:
             while True:
+                while self._resets:             # between steps: the engine is the loop's alone
+                    done = self._resets.pop(0)
+                    if not done.done():
+                        done.set_result(self._reset_now())
                 self._take_inbox()
                 self._dispatch()                # requests aborted or refused above end here
                 if self._iteration.finished_requests:
@@ -437,6 +474,8 @@ class AsyncLLM:
                 else:
                     self.engine.step()
                     await asyncio.sleep(0)
+                if self.kv_event_publisher is not None:
+                    self._publish_kv_events()
                 self._dispatch()
                 self._log_stats()
         except asyncio.CancelledError:

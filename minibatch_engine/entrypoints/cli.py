@@ -311,6 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="a Jinja chat template (default: the checkpoint's own, else the byte-level layout)")
     sv.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0, metavar="S",
                     help="on SIGTERM, seconds the requests in flight may take to finish before they are aborted")
+    sv.add_argument("--kv-events-config", default=None, metavar="JSON",
+                    help="publish prefix-cache events for KV-aware routers, as vLLM does: e.g. "
+                         "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
+                         "\"tcp://*:5557\", \"topic\": \"kv\"}' (vLLM's fields; see entrypoints/server/kv_events.py)")
     _connection_args(sv)
     _access_args(sv)
     _bench_args(sv, False, serve=True)
@@ -669,6 +673,7 @@ def _serve(args) -> int:
                    quantization=args.quantization,
                    scheduler=args.scheduler, max_num_seqs=args.max_batch, max_model_len=args.max_model_len,
                    attention_backend=args.attention_backend, cpu_threads=args.cpu_threads,
+                   kv_events_config=args.kv_events_config,
                    **_engine_options(args), **_spec_option(args), **_access_options(args))
     serve(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout)
     return 0

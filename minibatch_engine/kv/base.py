@@ -82,6 +82,16 @@ class KVCacheManager(ABC):
         copies, self._copies = self._copies, []
         return copies
 
+    def record_kv_events(self) -> None:
+        """Record KV-cache events (:mod:`.events`) from now on; only a paged cache
+        with prefix caching has a prefix cache to report."""
+        raise ValueError(f"KV-cache events need the paged KV cache with prefix caching, "
+                         f"not {type(self).__name__}")
+
+    def take_kv_events(self) -> list:
+        """The KV-cache events recorded since the last call, in order (and forget them)."""
+        return []
+
     @abstractmethod
     def max_tokens_per_request(self) -> int:
         """The most tokens one request can ever hold."""

@@ -16,12 +16,18 @@ decides which physical block holds which part of which sequence:
 
 Freed blocks that hold a cached prefix stay findable until the free list hands
 them out again (evicting the oldest first).
+
+Asked to (:meth:`BlockManager.record_events`), it records vLLM's KV-cache
+events (:mod:`.events`) as blocks enter and leave the prefix cache, for a
+KV-aware router; unasked, it records nothing and costs nothing.
 """
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
+
+from .events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
 
 
 def chain_hash(parent_hash: int | None, tokens: tuple[int, ...]) -> int:
@@ -53,6 +59,7 @@ class BlockManager:
         self.block_tables: dict[str, list[int]] = {}
         self.num_cow_copies = 0
         self._used_tokens = 0     # sum of num_filled over referenced blocks, kept up to date
+        self.events: list[KVCacheEvent] | None = None     # None: events off (record_events turns them on)
 
     # --- queries -------------------------------------------------------------------
     @property
@@ -73,6 +80,38 @@ class BlockManager:
     def num_new_blocks(self, request_id: str, num_tokens: int) -> int:
         return max(0, self.blocks_for(num_tokens) - len(self.block_tables.get(request_id, ())))
 
+    # --- KV-cache events -------------------------------------------------------------
+    def record_events(self) -> None:
+        """From now on, record a :class:`~.events.BlockStored` when full blocks
+        enter the prefix cache, a :class:`~.events.BlockRemoved` when one leaves
+        it, an :class:`~.events.AllBlocksCleared` on :meth:`reset_prefix_cache`."""
+        if not self.enable_prefix_caching:
+            raise ValueError("KV-cache events need prefix caching (enable_prefix_caching=True)")
+        if self.events is None:
+            self.events = []
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The events recorded since the last call, in order (and forget them)."""
+        events = self.events or []
+        if self.events:
+            self.events = []
+        return events
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block (vLLM's ``reset_prefix_cache``, e.g. after new
+        weights are loaded). Refused (returns False) while any request holds a block."""
+        if self.num_used_blocks:
+            return False
+        for block_id in self.cached.values():
+            b = self.blocks[block_id]
+            b.hash = b.tokens = b.parent = None
+            b.children.clear()
+            b.num_filled = 0
+        self.cached.clear()
+        if self.events is not None:
+            self.events.append(AllBlocksCleared())
+        return True
+
     # --- allocation ------------------------------------------------------------------
     def _take_free(self) -> int:
         block_id, _ = self.free_blocks.popitem(last=False)      # least recently freed
@@ -87,6 +126,8 @@ class BlockManager:
         b = self.blocks[block_id]
         if b.hash is not None and self.cached.get(b.hash) == block_id:
             del self.cached[b.hash]
+            if self.events is not None:
+                self.events.append(BlockRemoved((b.hash,)))
         if b.parent is not None:
             self.blocks[b.parent].children.discard(block_id)
         b.hash = b.tokens = b.parent = None
@@ -179,6 +220,7 @@ class BlockManager:
                 self._used_tokens += filled - b.num_filled
                 b.num_filled = filled
             return
+        stored = [] if self.events is not None else None       # (index, hash) of blocks registered now
         for i in range(i, min(len(table), -(-num_computed // bs))):
             b = self.blocks[table[i]]
             filled = max(b.num_filled, min(bs, num_computed - i * bs))
@@ -198,6 +240,24 @@ class BlockManager:
             self.cached[h] = b.block_id
             if parent is not None:
                 self.blocks[parent].children.add(b.block_id)
+            if stored is not None:
+                stored.append((i, h))
+        if stored:
+            self._record_stored(table, token_ids, stored)
+
+    def _record_stored(self, table: list[int], token_ids: Sequence[int], stored: list[tuple[int, int]]) -> None:
+        """One BlockStored per chain of consecutive blocks one call registered (a
+        block registers only after its parent, so there is one chain), as vLLM
+        reports them: the chain's hashes, its parent's hash, its tokens."""
+        bs, start = self.block_size, 0
+        for k in range(1, len(stored) + 1):
+            if k < len(stored) and stored[k][0] == stored[k - 1][0] + 1:
+                continue
+            first, last = stored[start][0], stored[k - 1][0]
+            parent_hash = self.blocks[table[first - 1]].hash if first > 0 else None
+            self.events.append(BlockStored(tuple(h for _, h in stored[start:k]), parent_hash,
+                                           tuple(token_ids[first * bs:(last + 1) * bs]), bs))
+            start = k
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child shares every block of the parent (copy-on-write later)."""

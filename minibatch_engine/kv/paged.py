@@ -100,6 +100,16 @@ class PagedKVCache(KVCacheManager):
         self.manager.mark_computed(request_id, token_ids, num_computed)
         return num_blocks * self.bytes_per_block
 
+    def record_kv_events(self) -> None:
+        self.manager.record_events()
+
+    def take_kv_events(self) -> list:
+        return self.manager.take_events()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block; refused (False) while a request holds blocks."""
+        return self.manager.reset_prefix_cache()
+
     def block_table(self, request_id: str) -> list[int]:
         return self.manager.table(request_id)
 

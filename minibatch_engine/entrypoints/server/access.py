@@ -3,7 +3,8 @@
 **API key** (``serve --api-key KEY``, or the environment's
 ``MINIBATCH_API_KEY``, else ``VLLM_API_KEY`` so a vLLM deployment's setting
 works unchanged). Every request under ``/v1`` must carry
-``Authorization: Bearer KEY``, or it is answered 401 in OpenAI's error shape.
+``Authorization: Bearer KEY``, or it is answered 401 in OpenAI's error shape;
+so must ``POST /reset_prefix_cache`` (vLLM serves it in its dev mode only).
 As in vLLM, the rest stays open: ``/health`` and ``/metrics`` (probes and
 Prometheus scrape without a key), ``/version`` and the tokenizer routes. The
 key is compared in constant time. It is no substitute for TLS: on any network
@@ -41,14 +42,15 @@ def api_key_from_env() -> str | None:
 
 
 def api_key_middleware(keys: list[str]):
-    """401 for a ``/v1`` request without ``Authorization: Bearer <one of keys>``."""
+    """401 for a ``/v1`` request (or a prefix-cache reset) without ``Authorization: Bearer <one of keys>``."""
     wanted = [k.encode() for k in keys]
     if not wanted or not all(wanted):
         raise ValueError("--api-key must be a non-empty string")
 
     @web.middleware
     async def check_key(request, handler):
-        if request.path.startswith("/v1") and request.method != "OPTIONS":
+        if (request.path.startswith("/v1") or request.path == "/reset_prefix_cache") \
+                and request.method != "OPTIONS":
             given = request.headers.get("Authorization", "")
             token = given[7:].encode() if given[:7].lower() == "bearer " else b""
             if not any(hmac.compare_digest(token, k) for k in wanted):    # every key compared: no early out

@@ -3,7 +3,8 @@
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (streamed as
 server-sent events with ``"stream": true``), ``GET /v1/models`` (``root``:
 the model's folder, where its tokenizer files are), ``GET /health``,
-``GET /metrics`` and the tokenizer (:mod:`.tokenize_routes`); an API key and
+``GET /metrics``, ``POST /reset_prefix_cache`` and the tokenizer
+(:mod:`.tokenize_routes`); an API key and
 CORS guard them as :mod:`.access` says. A request of ``n`` choices over ``p``
 prompts becomes ``n * p`` engine requests (choice ``k`` seeded ``seed + k``),
 as vLLM V1's front end fans a parallel-sampling request out. They reach the
@@ -80,6 +81,7 @@ def build_app(llm: AsyncLLM, model_name: str, max_waiting: int = 1024, chat_temp
     app.add_routes([web.post("/v1/completions", _completions), web.post("/v1/chat/completions", _chat),
                     web.get("/v1/models", _models), web.get("/health", _health),
                     web.get("/metrics", _metrics), web.get("/version", _version),
+                    web.post("/reset_prefix_cache", _reset_prefix_cache),
                     *tokenize_routes.routes(LLM_KEY, STATE_KEY)])
     app.on_shutdown.append(_drain)
     app.on_cleanup.append(_shutdown)
@@ -112,6 +114,12 @@ async def _health(request):
     if request.app[LLM_KEY]._error is not None:
         return web.json_response(APIError("the engine loop has failed", status=503).body(), status=503)
     return web.Response(status=200)
+
+
+async def _reset_prefix_cache(request):
+    """vLLM's ``POST /reset_prefix_cache``: forget the prefix cache (``reset``:
+    false while requests hold blocks); KV-event subscribers see AllBlocksCleared."""
+    return web.json_response({"reset": await request.app[LLM_KEY].reset_prefix_cache()})
 
 
 async def _version(request):

@@ -29,12 +29,15 @@ DEFAULT_HISTORY = 4096      # steps of trace a server keeps (bounded memory: Asy
 def make_app(model="tiny", served_model_name: str | None = None, max_waiting: int = 1024,
              chat_template: str | None = None, history: int | None = DEFAULT_HISTORY,
              limits: ConnectionLimits | None = None, api_keys: list[str] | None = None,
-             cors=None, metrics_prefixes=("minibatch",), **llm_options) -> web.Application:
+             cors=None, metrics_prefixes=("minibatch",), kv_events_config=None,
+             **llm_options) -> web.Application:
     """Build the model, an :class:`AsyncLLM` around it and the application.
     ``llm_options`` are AsyncLLM's (``device``, ``dtype``, engine options).
     The chat template is read (and its syntax checked) before the model is built.
     ``api_keys``, ``cors`` (a :class:`~.access.CorsPolicy`) and
-    ``metrics_prefixes`` go to :func:`~.app.build_app`."""
+    ``metrics_prefixes`` go to :func:`~.app.build_app`. ``kv_events_config``
+    (vLLM's ``--kv-events-config``: JSON, a dict or a
+    :class:`~.kv_events.KVEventsConfig`) publishes the prefix cache's events."""
     from .metrics import check_prefixes
     check_prefixes(metrics_prefixes)           # a bad flag fails before the model loads
     limit_malloc_arenas()                      # before the engine loop's thread starts (.memory)
@@ -42,12 +45,28 @@ def make_app(model="tiny", served_model_name: str | None = None, max_waiting: in
         raise ValueError(f"--served-model-name must be a non-empty name, got {served_model_name!r}")
     source = model if isinstance(model, str) else None
     template = load_chat_template(source, chat_template) if chat_template is not None else None
-    llm = AsyncLLM(model, history=history, **llm_options)
+    publisher = None
+    if kv_events_config is not None:
+        from .kv_events import KVEventsConfig, make_publisher
+        cfg = KVEventsConfig.parse(kv_events_config) if not isinstance(kv_events_config, KVEventsConfig) \
+            else kv_events_config          # a bad config fails before the model loads
+        publisher = make_publisher(cfg) if cfg.active else None
+    try:
+        llm = AsyncLLM(model, history=history, kv_event_publisher=publisher, **llm_options)
+    except BaseException:
+        if publisher is not None:
+            publisher.close()
+        raise
     name = served_model_name or (model if isinstance(model, str) else llm.model.config.name)
     if template is None:
         template = load_chat_template(getattr(llm.model, "source", None))
-    return build_app(llm, name, max_waiting=max_waiting, chat_template=template, limits=limits,
-                     api_keys=api_keys, cors=cors, metrics_prefixes=metrics_prefixes)
+    app = build_app(llm, name, max_waiting=max_waiting, chat_template=template, limits=limits,
+                    api_keys=api_keys, cors=cors, metrics_prefixes=metrics_prefixes)
+    if publisher is not None:
+        async def close_publisher(app):
+            publisher.close()
+        app.on_cleanup.append(close_publisher)
+    return app
 
 
 def _log(msg: str) -> None:
