@@ -22,7 +22,9 @@ SLO_PAIRS = {"tight TPOT": {"ttft": 1000, "tpot": 10}, "tight TTFT": {"ttft": 15
 DESIGNS = ("co-located", "disaggregated")
 STYLES = {"co-located": ("#4C72B0", "o-"), "co-located, budget 512": ("#55A868", "^-"),
           "co-located, budget 256": ("#8172B3", "v-"), "disaggregated": ("#DD8452", "s--"),
-          "disaggregated, TTFT at prefill": ("#C44E52", "d:")}
+          "disaggregated, TTFT at prefill": ("#C44E52", "d:"),
+          "disaggregated 1:3": ("#937860", "<--"), "disaggregated 2:2": ("#DD8452", "s--"),
+          "disaggregated 3:1": ("#C44E52", ">--")}
 
 
 def policy_table(runs: Mapping[str, Mapping]) -> Table:
@@ -34,15 +36,28 @@ def policy_table(runs: Mapping[str, Mapping]) -> Table:
                   "TPOT p99 (ms)", "busiest / mean busy time", "requests per replica"], floatfmt=".2f")
 
 
-def pd_run(design: str, spec, rate: float, num_requests: int, link: str = "nvlink", **sim):
-    """One rate of one design on two GPUs: two co-located replicas behind a
-    least-requests router (``"co-located, budget N"``: with a token budget of
-    ``N`` per step instead of the default), or one prefill and one decode replica."""
+def pd_run(design: str, spec, rate: float, num_requests: int, link: str = "nvlink", num_gpus: int = 2, **sim):
+    """One rate of one design on ``num_gpus`` GPUs: as many co-located replicas
+    behind a least-requests router (``"co-located, budget N"``: with a token
+    budget of ``N`` per step instead of the default), or prefill and decode
+    replicas: one of each for ``"disaggregated"``, ``P`` and ``D`` for
+    ``"disaggregated P:D"`` (``P + D`` must be ``num_gpus``)."""
     if design.startswith("co-located"):
         budget = design.partition("budget ")[2]
         opts = {"max_num_batched_tokens": int(budget)} if budget else {}
-        return simulate_cluster(2, "least-requests", spec, num_requests, arrival_rate=rate, **opts, **sim)
-    return simulate_disaggregated(1, 1, link, spec, num_requests, arrival_rate=rate, **sim)
+        return simulate_cluster(num_gpus, "least-requests", spec, num_requests, arrival_rate=rate, **opts, **sim)
+    p, d = split_of(design, num_gpus)
+    return simulate_disaggregated(p, d, link, spec, num_requests, arrival_rate=rate, **sim)
+
+
+def split_of(design: str, num_gpus: int = 2) -> tuple[int, int]:
+    """The (prefill, decode) replicas of a disaggregated design's name."""
+    ratio = design.partition("disaggregated")[2].strip()
+    p, d = (int(x) for x in ratio.split(":")) if ratio else (1, 1)
+    if p < 1 or d < 1 or p + d != num_gpus:
+        raise ValueError(f"design {design!r}: {p} prefill + {d} decode replicas on {num_gpus} GPUs; "
+                         "each pool needs one replica or more, and together they take every GPU")
+    return p, d
 
 
 # The papers' convention (DistServe, Splitwise): TTFT ends when the prefill
@@ -83,27 +98,28 @@ def pd_jobs(rates: Mapping[str, Sequence[float]], designs: Mapping[str, Sequence
 
 
 def pd_rows(job: tuple[str, float, str], num_requests: int = 120, workloads=PD_WORKLOADS,
-            slos=SLO_PAIRS, **sim) -> list[dict]:
+            slos=SLO_PAIRS, num_gpus: int = 2, **sim) -> list[dict]:
     """One (workload, rate, design) of the sweep: p90 TTFT and TPOT, busy shares,
     and for each SLO pair the steady-state attainment and goodput (chapter 8's
     keys). A disaggregated run counts TTFT when the decode side emits the first
     token (:func:`decode_side_timings`), as deployed P/D systems stream it; its
     ``gap_ms`` lists each request's gap between the prefill side's first token
-    and the decode side's second. It gives a second row, :data:`ALT`: the same
-    run with TTFT ended at the prefill replica, the papers' convention."""
+    and the decode side's second. It gives a second row, ``design +
+    ", TTFT at prefill"`` (:data:`ALT` for ``"disaggregated"``): the same run
+    with TTFT ended at the prefill replica, the papers' convention."""
     w, rate, design = job
-    s, cluster = pd_run(design, workloads[w], rate, num_requests, **sim)
+    s, cluster = pd_run(design, workloads[w], rate, num_requests, num_gpus=num_gpus, **sim)
     busy = {}
     for r in s["per_replica"]:
         busy.setdefault(r.get("pool", "all"), []).append(r["busy_s"] / s["duration_s"])
     extra = {"busy": {k: sum(v) / len(v) for k, v in busy.items()},
              "kv_transfer_ms_mean": s.get("kv_transfer_ms_mean")}
-    if design != "disaggregated":
+    if not design.startswith("disaggregated"):
         return [_row(w, design, rate, cluster.timings, slos, **extra)]
     gaps = [1e3 * (t.token_times[1] - t.token_times[0]) for t in cluster.timings
             if len(t.token_times) > 1]
     return [_row(w, design, rate, decode_side_timings(cluster.timings), slos, gap_ms=gaps, **extra),
-            _row(w, ALT, rate, cluster.timings, slos, **extra)]
+            _row(w, design + ALT.removeprefix("disaggregated"), rate, cluster.timings, slos, **extra)]
 
 
 def pd_sweep(rates: Mapping[str, Sequence[float]], num_requests: int = 120, workloads=PD_WORKLOADS,
@@ -130,15 +146,17 @@ def distserve_per_gpu(rows, workload: str, design: str, slo: str, num_gpus: int 
     return (best or 0.0) / num_gpus, best == max(r["rate"] for r in sel)
 
 
-def pd_figure(rows, slos=SLO_PAIRS, workloads=PD_WORKLOADS, attainment: float = 0.9):
-    """Attainment against the rate, a panel per (workload, SLO pair), a line per design."""
+def pd_figure(rows, slos=SLO_PAIRS, workloads=PD_WORKLOADS, attainment: float = 0.9, num_gpus: int = 2,
+              designs: Sequence[str] | None = None):
+    """Attainment against the rate, a panel per (workload, SLO pair), a line per
+    design (``designs``: those drawn, default every design in ``rows``)."""
     import matplotlib.pyplot as plt
     fig, axes = plt.subplots(len(workloads), len(slos), figsize=(9, 5.5), sharey=True)
     plt.close(fig)
     for i, w in enumerate(workloads):
         for j, name in enumerate(slos):
             ax = axes[i][j]
-            present = [d for d in dict.fromkeys(r["design"] for r in rows) if select(rows, w, d)]
+            present = [d for d in (designs or dict.fromkeys(r["design"] for r in rows)) if select(rows, w, d)]
             for d in present:
                 sel = select(rows, w, d)
                 color, style = STYLES.get(d, ("#8C8C8C", "x-"))
@@ -147,7 +165,7 @@ def pd_figure(rows, slos=SLO_PAIRS, workloads=PD_WORKLOADS, attainment: float = 
             ax.axhline(attainment, color="#8C8C8C", ls="--", lw=1)
             slo = slos[name]
             ax.set_title(f"{w}; TTFT ≤ {slo['ttft']} ms, TPOT ≤ {slo['tpot']} ms", fontsize=9)
-            ax.set_xlabel("request rate (req/s), 2 GPUs" if i == len(workloads) - 1 else "")
+            ax.set_xlabel(f"request rate (req/s), {num_gpus} GPUs" if i == len(workloads) - 1 else "")
             if j == 0:
                 ax.set_ylabel("met both SLOs")
     axes[0][0].legend(fontsize=7)

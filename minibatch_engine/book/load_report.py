@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
+import numpy as np
+
 from .glue import glue
 from .report import Table
 
@@ -62,3 +64,17 @@ def closest_pair(a: Sequence[Mapping], b: Sequence[Mapping], key: str = "steady_
     """The row of ``a`` and the row of ``b`` whose ``key`` values are closest
     (e.g. two arrival patterns at the same measured offered load)."""
     return min(((x, y) for x in a for y in b), key=lambda p: abs(p[0][key] - p[1][key]))
+
+
+def traffic_stats(arrivals, prompt_lens, output_lens, duration: float | None = None) -> dict:
+    """What sets a workload's load: its mean rate over ``duration`` seconds
+    (default: first to last arrival), its lengths (median and p99, tokens) and
+    its burstiness (the gaps' coefficient of variation, 1 for Poisson
+    arrivals; and the busiest second's arrivals over the mean rate)."""
+    a, p, o = (np.asarray(x, dtype=float) for x in (arrivals, prompt_lens, output_lens))
+    gaps = np.diff(a)
+    rate = len(a) / duration if duration else (len(a) - 1) / (a[-1] - a[0])
+    busiest = np.bincount((a - a[0]).astype(int)).max()
+    return {"requests": len(a), "rate": rate, "prompt_p50": np.median(p), "prompt_p99": np.percentile(p, 99),
+            "output_p50": np.median(o), "output_p99": np.percentile(o, 99), "gap_cv": gaps.std() / gaps.mean(),
+            "peak_1s": busiest / rate}

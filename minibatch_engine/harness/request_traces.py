@@ -12,6 +12,8 @@ A replay keeps the trace's lengths and its arrival order exactly:
 
 * a *window* (:meth:`RequestTrace.window`) keeps the requests that arrived in
   ``[start, start + duration)`` trace seconds, re-based so the window opens at 0 s;
+* :meth:`RequestTrace.with_poisson_arrivals` keeps the requests and draws
+  Poisson arrivals at their mean rate, the synthetic baseline to compare with;
 * a *time scale* ``x`` divides every arrival time, and so every gap, by ``x``:
   the same requests ``x`` times faster, at ``x`` times the rate;
 * prompts become seeded random token ids of the trace's lengths (the traces
@@ -75,6 +77,17 @@ class RequestTrace:
         label = self.name if (start, duration) == (0.0, None) else f"{self.name} [{start:g}, {end:g}) s"
         return RequestTrace(label, self.arrivals[keep] - start, self.prompt_lens[keep], self.output_lens[keep],
                             self.lines[keep], max(span, float(self.arrivals[keep][-1] - start)))
+
+
+    def with_poisson_arrivals(self, seed: int = 0) -> "RequestTrace":
+        """The same requests, lengths and order, at seeded Poisson arrivals of
+        the same mean rate over the same span: what a synthetic benchmark sends.
+        Replaying both separates what the trace's lengths do from what its
+        bursts do."""
+        gaps = np.random.default_rng(seed).exponential(1.0 / self.rate, len(self))
+        arrivals = np.cumsum(gaps) - gaps[0]
+        return RequestTrace(f"{self.name}, Poisson arrivals", arrivals, self.prompt_lens, self.output_lens,
+                            self.lines, max(self.duration, float(arrivals[-1])))
 
 
 def trace_path(name_or_path: str | Path) -> Path:

@@ -261,3 +261,18 @@ def test_cli_simulates_a_cluster_and_writes_per_replica_json(tmp_path, capsys):
     assert main(["simulate", "--prefill-replicas", "1", "--no-progress"]) == 2
     assert main(["simulate", "--router", "prefix", "--no-progress"]) == 2
     assert "needs --replicas" in capsys.readouterr().err
+
+
+def test_a_p_d_split_names_its_pools_and_must_take_every_gpu():
+    """Chapter 12's designs: "disaggregated P:D" runs P prefill and D decode
+    replicas (plain "disaggregated" is 1:1); co-located runs one replica per
+    GPU; a split that leaves a pool empty or a GPU over is refused."""
+    from minibatch_engine.book.cluster_report import pd_run, split_of
+    assert split_of("disaggregated") == (1, 1) and split_of("disaggregated 3:1", 4) == (3, 1)
+    for bad in ("disaggregated 0:4", "disaggregated 2:1"):
+        with pytest.raises(ValueError, match="every GPU"):
+            split_of(bad, 4)
+    s, _ = pd_run("disaggregated 1:3", "chat", 8.0, 12, num_gpus=4)
+    assert (s["prefill_replicas"], s["decode_replicas"]) == (1, 3) and s["num_requests"] == 12
+    colo, _ = pd_run("co-located", "chat", 8.0, 12, num_gpus=4)
+    assert len(colo["per_replica"]) == 4

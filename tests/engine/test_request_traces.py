@@ -58,6 +58,20 @@ def test_replay_keeps_the_window_s_lengths_order_and_re_based_arrivals():
     assert wl.trace.duration == duration and wl.rate == len(rows) / duration
 
 
+def test_poisson_arrivals_keep_the_requests_and_the_mean_rate():
+    """The Poisson twin of a window holds the same requests in the same order,
+    at exponential gaps (coefficient of variation near 1) of the same mean."""
+    t = load_trace("azure-code").window(600, 120)
+    p = t.with_poisson_arrivals(seed=3)
+    assert np.array_equal(p.prompt_lens, t.prompt_lens) and np.array_equal(p.output_lens, t.output_lens)
+    assert np.array_equal(p.lines, t.lines) and p.name == f"{t.name}, Poisson arrivals"
+    assert p.arrivals[0] == 0 and np.all(np.diff(p.arrivals) >= 0)
+    assert abs(p.rate / t.rate - 1) < 0.15
+    gaps = np.diff(p.arrivals)
+    assert 0.8 < gaps.std() / gaps.mean() < 1.2 < np.diff(t.arrivals).std() / np.diff(t.arrivals).mean()
+    assert np.array_equal(t.with_poisson_arrivals(seed=3).arrivals, p.arrivals)
+
+
 def test_time_scale_divides_every_gap_and_num_requests_keeps_the_first():
     base = make_workload(trace_workload("azure-conv", 0, 120), None)
     fast = make_workload(trace_workload("azure-conv", 0, 120, time_scale=4), None)
