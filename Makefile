@@ -35,7 +35,7 @@ SANITIZE := tests/nbval_sanitize.cfg
 LAB_ROOT := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
 LAB_ARGS ?=
 
-.PHONY: help install install-test book build test unit test-slow kernels nbval notebooks lab check-lab gpu-check clean
+.PHONY: help install install-test book build test unit test-slow tests kernels nbval notebooks lab check-lab gpu-check clean
 .PHONY: test-clients
 .PHONY: site-assets check-site site-check-if-browser
 
@@ -88,8 +88,10 @@ kernels: $(STAMP)  ## compile the C++ CPU kernels (once; later calls find them c
 # each given whole test files. Most tests run on one core, so two workers keep a
 # two-core machine busy.
 # The tests marked slow (a browser, JupyterLab, the base-install venv, the soak,
-# the real clients guidellm and lm-eval) run apart, in `make test-slow`; `make
-# test` runs both.
+# the real clients guidellm and lm-eval, vllm-router) run apart in `make
+# test-slow`; `make tests` (what `make test` runs) runs every test in one pytest
+# session, the slow files first (tests/conftest.py orders them), so that the
+# long ones start while the short ones fill the other worker.
 UNIT_JOBS ?= 2
 PYTEST_JOBS = $(PY) -m pytest -q -p no:cacheprovider --durations=10 -n $(UNIT_JOBS) --dist loadfile
 unit: $(TEST_STAMP) kernels  ## unit, property and equivalence tests (pytest -m "not slow", UNIT_JOBS=2 workers)
@@ -98,29 +100,33 @@ unit: $(TEST_STAMP) kernels  ## unit, property and equivalence tests (pytest -m 
 test-slow: $(TEST_STAMP) kernels  ## the slow tests: browser, JupyterLab, base-install venv, soak, clients (pytest -m slow)
 	$(PYTEST_JOBS) -m slow tests
 
+tests: $(TEST_STAMP) kernels  ## every test, slow ones included, in one session (the slow files start first)
+	$(PYTEST_JOBS) tests
+
 # One pytest per notebook (tools/nbval_each.sh), NBVAL_JOBS at a time: each
 # chapter's name shows as it starts and its time as it ends; every notebook runs
 # even when one fails, a table of their times comes at the end, and the target
-# fails naming the ones that failed. NBVAL_ALONE run after the others, one at a
-# time: they time things on the wall clock with threads of their own.
-# NBVAL_FIRST start first, the longest first (as `make nbval`'s table measured
-# them), so that no long notebook starts last and runs on while a core idles.
+# fails naming the ones that failed. The CPU appendix's timings are compared by
+# no test (its timing cells are nbval-ignore-output), so it runs beside the
+# others like any chapter. NBVAL_FIRST start first, the longest first (as `make
+# nbval`'s table measured them), so that no long notebook starts last and runs
+# on while a core idles.
 NBVAL_JOBS ?= 2
-NBVAL_ALONE := book/appendix_cpu_kernels.ipynb
-NBVAL_FIRST := chapters/09_speculative_decoding.ipynb chapters/03_continuous_batching.ipynb \
-               chapters/12_many_engines.ipynb chapters/08_serving_under_load.ipynb \
-               chapters/05_chunked_prefill.ipynb chapters/13_fewer_bytes.ipynb
-NBVAL_PARALLEL = $(foreach nb,$(NBVAL_FIRST),$(filter $(nb),$(NOTEBOOKS))) \
-                 $(filter-out $(NBVAL_FIRST) $(NBVAL_ALONE),$(NOTEBOOKS))
+NBVAL_FIRST := chapters/03_continuous_batching.ipynb book/appendix_cpu_kernels.ipynb \
+               chapters/08_serving_under_load.ipynb chapters/12_many_engines.ipynb \
+               chapters/13_fewer_bytes.ipynb chapters/05_chunked_prefill.ipynb \
+               chapters/09_speculative_decoding.ipynb
+NBVAL_ORDER = $(foreach nb,$(NBVAL_FIRST),$(filter $(nb),$(NOTEBOOKS))) \
+              $(filter-out $(NBVAL_FIRST),$(NOTEBOOKS))
 nbval: $(TEST_STAMP) $(KERNEL_CFG) kernels  ## re-run every chapter and compare with its stored outputs
 	@sh tools/nbval_each.sh $(NBVAL_JOBS) "$(PY) -m pytest -q -p no:cacheprovider --nbval --nbval-sanitize-with $(SANITIZE)" \
-	  $(filter-out $(NBVAL_ALONE),$(NBVAL_PARALLEL)) -- $(filter $(NBVAL_ALONE),$(NOTEBOOKS))
+	  $(NBVAL_ORDER)
 
 # `make test` runs its parts in turn, each a make target, and ends with a table
 # of their times (up to the part that failed, when one fails). The setup part
 # compiles the C++ kernels while pip and npm download (-j2): the kernels need
 # only the base install, and a download leaves the cores idle.
-TEST_PARTS := setup=-j2,install-test,site-assets,$(KERNEL_CFG),kernels unit=unit slow-tests=test-slow \
+TEST_PARTS := setup=-j2,install-test,site-assets,$(KERNEL_CFG),kernels tests=tests \
               nbval=nbval build=build site-check=site-check-if-browser,SITE_BUILT=1
 test:  ## setup (with the C++ kernels), unit and slow tests, nbval, the -W build, the browser check; then their times
 	@status=0; times=""; start=$$(date +%s); \

@@ -173,6 +173,8 @@ def test_a_runs_tokens_do_not_depend_on_experts_or_expert_parallelism(tiny64):
     (dict(sim_model="mixtral-8x7b", expert_parallel_size=2, tensor_parallel_size=2), "tensor_parallel_size 1"),
     (dict(sim_model="qwen3-30b-a3b", expert_parallel_size=16), "spans nodes"),
     (dict(sim_model="mixtral-8x7b", expert_parallel_size=0), "expert_parallel_size must be an integer"),
+    (dict(sim_model="mixtral-8x7b", tensor_parallel_size=2, pipeline_parallel_size=2),
+     "pipeline_parallel_size > 1 with a mixture of experts"),
 ])
 def test_bad_expert_settings_are_refused_by_name(options, message):
     with pytest.raises(ValueError, match=message):
