@@ -183,14 +183,17 @@ class TraceWorkload:
         """The first ``num_requests`` requests of the trace (all when None), in
         arrival order, with prompts of seeded random token ids in
         ``[0, vocab_size)``. ``arrival_rate`` replaces the time scale by the one
-        that brings the trace's mean rate to it (what a sweep's rates mean
-        for a trace)."""
+        that brings the replayed requests' mean rate to it (what a sweep's
+        rates mean for a trace): the whole trace's, or for the first ``n`` of
+        it, ``n`` over the arrival time of the next one, so that a dense start
+        is not replayed faster than the rate asked."""
         t = self.trace
         n = len(t) if num_requests is None else num_requests
         if not 1 <= n:
             raise ValueError(f"num_requests must be >= 1, got {num_requests}")
         n = min(n, len(t))
-        scale = self.time_scale if arrival_rate is None else arrival_rate / t.rate
+        replayed = t.rate if n == len(t) or t.arrivals[n] <= 0 else n / float(t.arrivals[n])
+        scale = self.time_scale if arrival_rate is None else arrival_rate / replayed
         if not (math.isfinite(scale) and scale > 0):
             raise ValueError(f"arrival_rate must be > 0 and the trace's rate finite, got {arrival_rate!r}")
         prompts, outputs = self._fitted(t.prompt_lens[:n], t.output_lens[:n], t.lines[:n],

@@ -89,6 +89,19 @@ def test_an_arrival_rate_sets_the_time_scale():
     assert [s.arrival_time for s in specs] == [a / 2 for a in wl.trace.arrivals]
 
 
+def test_an_arrival_rate_is_the_replayed_requests_own_rate():
+    """The first n requests of a window that starts dense (the code trace's
+    first 240 of [600, 720) s arrive in about 19 s, three times the window's
+    mean rate) replay at the rate asked: n over the next request's arrival."""
+    wl = trace_workload("azure-code", 600, 120)
+    n, rate = 240, 2.0
+    assert n / wl.trace.arrivals[n] > 2.5 * wl.trace.rate          # the dense start
+    specs = make_workload(wl, n, arrival_rate=rate)
+    scale = rate / (n / wl.trace.arrivals[n])
+    assert [s.arrival_time for s in specs] == [a / scale for a in wl.trace.arrivals[:n]]
+    assert n / (wl.trace.arrivals[n] / scale) == pytest.approx(rate)
+
+
 def test_overlong_requests_are_refused_or_clipped():
     wl = with_limit(trace_workload("azure-code", 0, 30), 2048)
     rows = [r for r in _rows("azure-code") if r[0] < 30]
