@@ -65,6 +65,8 @@ def summarize(engine: Engine, requests, ps=DEFAULT_PERCENTILES, goodput=None) ->
         if engine.cost_model is not None:
             s["sim_draft_time_fraction"] = sum(st.draft_sim_s or 0.0 for st in trace.steps) / trace.end_time("sim")
     if engine.cost_model is not None:
+        cm = engine.cost_model
+        s["sim_parallelism"] = {"tensor": cm.tp, "pipeline": cm.pp, "expert": cm.ep, "gpus": cm.num_gpus}
         s["sim_seconds"] = trace.end_time("sim")
         s["sim_output_tokens_per_second"] = out_tokens / s["sim_seconds"]
     if engine.model is not None and engine.model.device.type == "cpu" and len(trace):
@@ -282,6 +284,10 @@ def format_report(summary: dict, simulated: bool = False) -> str:
     model = str(s.get("sim_model") if simulated else s.get("model"))
     if s.get("sim_gpu") and not simulated:       # the model runs here; the simulator prices its steps
         model += f" (run here; its steps priced as {s.get('sim_model') or model} on a simulated {s['sim_gpu']})"
+    par = s.get("sim_parallelism")
+    if par and par["gpus"] > 1:                 # e.g. "on 16 GPUs: TP 8 x PP 2"
+        model += f" on {par['gpus']} GPUs: " + " x ".join(
+            f"{k} {par[v]}" for k, v in (("TP", "tensor"), ("PP", "pipeline"), ("EP", "expert")) if par[v] > 1)
     groups = [
         ("workload", [
             ("model", model), ("workload", f"{s['workload']}, {s['num_requests']} requests, seed {s['seed']}"),
@@ -304,7 +310,7 @@ def format_report(summary: dict, simulated: bool = False) -> str:
                       f"{'rows' if s['kv_layout'] == 'reserved' else 'blocks'}"
                       + _kv_dtype_note(s)),
             *([("draft model's cache", _draft_kv_line(s))] if "draft_kv_bytes" in s else []),
-            ("utilization (mean)", _fmt(s.get("kv_utilization"))),
+            ("allocated bytes in use (mean)", _fmt(s.get("kv_utilization"))),
             ("prefix-cache hits", f"{_fmt(s.get('prefix_cache_hit_tokens'))} tokens")]),
         ("speculative decoding", [
             ("method", f"{s.get('speculative_method')}, k = {s.get('num_speculative_tokens')}"),
