@@ -170,6 +170,6 @@ def test_config_refuses_by_name(bad, words):
 def test_connector_needs_a_paged_float_cache():
     from minibatch_engine.entrypoints.async_llm import AsyncLLM
     with pytest.raises(ValueError, match="paged KV cache"):
-        AsyncLLM("tiny", device="cpu", kv_cache="reserved", kv_connector=PDConnector())
+        AsyncLLM("tiny", device="cpu", kv_layout="reserved", kv_connector=PDConnector())
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         AsyncLLM("tiny", device="cpu", kv_cache_dtype="int8", kv_connector=PDConnector())
