@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -163,13 +164,17 @@ def test_killed_replicas_fail_cleanly():
     try:
         body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 6, "temperature": 0}
         # the decode replica dies: the request fails with an HTTP error, the prefill's pins come back
+        if Path(ROUTER).is_file():
+            router, url = start_router(prefill, decode)       # (it waits for both replicas to be healthy)
         dp.kill()
         dp.wait()
-        if Path(ROUTER).is_file():
-            router, url = start_router(prefill, decode)
+        if router is not None:
             t0 = time.monotonic()
-            status, err, _ = post(url, body, timeout=120)
-            assert status >= 500, err
+            req = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+            with pytest.raises(urllib.error.HTTPError) as err:      # the router's error body is plain text
+                urllib.request.urlopen(req, timeout=120)
+            assert err.value.code >= 500 and "Connection refused" in err.value.read().decode()
             assert time.monotonic() - t0 < 120
         else:                   # the prefill half of a proxy's request, whose decode half cannot be sent
             status, _, _ = post(prefill, dict(body, max_tokens=1, kv_transfer_params={"do_remote_decode": True}))
