@@ -86,7 +86,7 @@ def build_app(llm: AsyncLLM, model_name: str, max_waiting: int = 1024, chat_temp
         if llm.kv_connector is None:
             raise ValueError("kv_transfer_config needs an AsyncLLM built with its connector "
                              "(kv_transfer_config.connector_or_error())")
-        app.add_routes(kv_transfer.routes(LLM_KEY, llm.kv_connector))
+        kv_transfer.install(app, LLM_KEY, llm.kv_connector)
     app.add_routes([web.post("/v1/completions", _completions), web.post("/v1/chat/completions", _chat),
                     web.get("/v1/models", _models), web.get("/health", _health),
                     web.get("/metrics", _metrics), web.get("/version", _version),
@@ -247,7 +247,7 @@ async def _generate(request, chat: bool):
         elif transfer is not None:                                # a prefill replica: pin the prompt's K/V
             jobs = [(*jobs[0], {"pin": True})]
             fields = lambda: {kv_transfer.PARAM: kv_transfer.response_params(     # noqa: E731
-                request, st["kv_transfer"], llm.kv_connector, llm, f"{rid}-0")}
+                request, st["kv_transfer"], llm.kv_connector, f"{rid}-0")}
         if req.stream:
             return await _stream(request, req, rid, prompts, jobs, st, admission)
         return await _whole(req, rid, prompts, jobs, st, llm, admission, fields)

@@ -52,6 +52,7 @@ from .protocol import APIError
 CONNECTOR = "MinibatchConnector"
 PARAM = "kv_transfer_params"
 EXTRA = {"pin_timeout_s": 30.0, "pull_timeout_s": 30.0}
+REAPER_KEY = web.AppKey("kv_transfer_reaper", asyncio.Task)
 
 
 @dataclass(frozen=True)
@@ -169,24 +170,18 @@ def plan(body: dict, req, connector: PDConnector | None) -> Transfer | None:
 
 
 # --- the producer ------------------------------------------------------------------------
-def response_params(request: web.Request, cfg: KVTransferConfig, connector: PDConnector, llm,
+def response_params(request: web.Request, cfg: KVTransferConfig, connector: PDConnector,
                     engine_request_id: str) -> dict | None:
     """The response's ``kv_transfer_params`` for a finished prefill (None: the
-    request ended without pinning, e.g. aborted). Unpins at the deadline."""
+    request ended without pinning, e.g. aborted)."""
     pin = connector.pinned(engine_request_id)
     if pin is None:
         return None
     host, port = request.transport.get_extra_info("sockname")[:2] if request.transport else ("127.0.0.1", 0)
-    asyncio.get_running_loop().call_later(connector.pin_timeout_s + 0.05, _expire_soon, llm, connector)
     return {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": connector.engine_id,
             "remote_request_id": engine_request_id, "remote_block_ids": list(pin.block_ids),
             "remote_host": cfg.kv_ip or host, "remote_port": cfg.kv_port or port,
             "remote_num_tokens": len(pin.token_ids), "tp_size": 1}
-
-
-def _expire_soon(llm, connector: PDConnector) -> None:
-    task = asyncio.ensure_future(llm.between_steps(lambda engine: connector.expire()))
-    task.add_done_callback(lambda t: t.cancelled() or t.exception())     # (an engine loop gone: nothing to free)
 
 
 def _frame(header: dict, kv: torch.Tensor) -> bytes:
@@ -202,8 +197,10 @@ def _unframe(body: bytes) -> tuple[dict, torch.Tensor]:
     return header, kv
 
 
-def routes(llm_key, connector: PDConnector) -> list:
-    """``POST /kv_transfer/pull`` and ``GET /kv_transfer/stats``."""
+def install(app: web.Application, llm_key, connector: PDConnector) -> None:
+    """Add ``POST /kv_transfer/pull``, ``GET /kv_transfer/stats`` and the reaper:
+    a task that, while pins are held, unpins those past their deadline (a
+    pin whose reply never reached the proxy expires too)."""
     async def pull(request):
         try:
             body = await request.json()
@@ -226,7 +223,27 @@ def routes(llm_key, connector: PDConnector) -> list:
 
     async def stats(request):
         return web.json_response(await request.app[llm_key].between_steps(lambda engine: connector.snapshot()))
-    return [web.post("/kv_transfer/pull", pull), web.get("/kv_transfer/stats", stats)]
+    async def reap(app):
+        period = min(1.0, connector.pin_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            if connector.engine.scheduler.pinned:          # (read between steps or not: only a hint)
+                try:
+                    await app[llm_key].between_steps(lambda engine: connector.expire())
+                except Exception:                           # noqa: BLE001  (the engine failed: /health says so)
+                    return
+
+    async def start(app):
+        app[REAPER_KEY] = asyncio.create_task(reap(app))
+
+    async def stop(app):
+        task = app.get(REAPER_KEY)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+    app.add_routes([web.post("/kv_transfer/pull", pull), web.get("/kv_transfer/stats", stats)])
+    app.on_startup.append(start)
+    app.on_shutdown.append(stop)
 
 
 # --- the consumer ----------------------------------------------------------------------
