@@ -173,3 +173,57 @@ def test_connector_needs_a_paged_float_cache():
         AsyncLLM("tiny", device="cpu", kv_layout="reserved", kv_connector=PDConnector())
     with pytest.raises(ValueError, match="kv_cache_dtype"):
         AsyncLLM("tiny", device="cpu", kv_cache_dtype="int8", kv_connector=PDConnector())
+
+
+def test_engine_level_pin_take_load_equals_a_lone_recompute():
+    """Without HTTP: a producer engine pins a prompt's blocks (shared with a later
+    request of the same prompt through the prefix cache), the connector reads
+    and unpins them, a consumer engine loads them and decodes; greedy tokens
+    equal a full recompute, and both block pools end full and consistent."""
+    from minibatch_engine.core.engine import Engine
+    from minibatch_engine.model.reference import reference_generate
+    from minibatch_engine.model.registry import resolve_model
+    from minibatch_engine.sampling.params import SamplingParams
+    model = resolve_model("tiny", device="cpu", dtype="float32")
+    prod, cons = PDConnector("kv_producer"), PDConnector("kv_consumer")
+    pe = Engine(model, block_size=4, attention_backend="sdpa")
+    ce = Engine(model, block_size=16, attention_backend="sdpa")
+    prod.attach(pe)
+    cons.attach(ce)
+    prompt = PROMPTS[1]
+    prod.on_add(pe, "p", {"pin": True})
+    pe.add_request(prompt, SamplingParams(max_tokens=1, temperature=0), request_id="p")
+    pe.run()
+    pin = prod.pinned("p")
+    assert pin is not None and len(pin.block_ids) == -(-len(prompt) // 4)
+    assert pe.kv_cache.num_used_blocks == len(pin.block_ids)
+    pe.add_request(prompt, SamplingParams(max_tokens=2, temperature=0), request_id="again")   # shares the pin's blocks
+    pe.run()
+    assert pe.scheduler.requests["again"].num_cached_tokens == (len(prompt) - 1) // 4 * 4
+    pin, kv = prod.take("p")
+    assert prod.pinned("p") is None and pe.kv_cache.num_used_blocks == 0
+    pe.kv_cache.manager.check_invariants()
+    with pytest.raises(KeyError):
+        prod.take("p")
+    cons.on_add(ce, "d", {"load": kv[:, :, :len(prompt) - 1]})
+    ce.add_request(prompt, SamplingParams(max_tokens=10, temperature=0), request_id="d")
+    (done,) = ce.run()
+    assert done.output_token_ids == reference_generate(model, prompt, 10)
+    assert ce.runner.prompt_tokens_computed == 1 and ce.runner.tokens_computed == 10
+    cons.on_end(ce, "d")
+    assert ce.kv_cache.num_used_blocks == 0 and not ce.scheduler.received and not ce.runner.inbox
+    ce.kv_cache.manager.check_invariants()
+
+
+def test_an_aborted_prefill_pins_nothing():
+    from minibatch_engine.core.engine import Engine
+    from minibatch_engine.model.registry import resolve_model
+    from minibatch_engine.sampling.params import SamplingParams
+    conn = PDConnector("kv_producer")
+    e = Engine(resolve_model("tiny", device="cpu"), attention_backend="sdpa")
+    conn.attach(e)
+    conn.on_add(e, "p", {"pin": True})
+    e.add_request(PROMPTS[0], SamplingParams(max_tokens=1), request_id="p")
+    e.abort("p")
+    e.run()
+    assert conn.pinned("p") is None and e.kv_cache.num_used_blocks == 0
