@@ -122,18 +122,25 @@ class AsyncLLM:
     (:mod:`minibatch_engine.core.engine_stats`), called after every step.
     ``kv_event_publisher``: an object with ``publish(events)``, given each step's
     KV-cache events (:mod:`minibatch_engine.kv.events`; the server's ZeroMQ
-    publisher); None (the default) records none."""
+    publisher); None (the default) records none.
+    ``kv_connector``: prefill/decode disaggregation
+    (:class:`~minibatch_engine.cluster.kv_transfer.PDConnector`): it is attached
+    to the engine, and told, between steps, of each request that comes with a
+    ``kv_transfer`` (:meth:`stream`) and of its end."""
 
     def __init__(self, model="tiny", tokenizer=None, device: str = "auto", dtype: str = "float32",
                  seed: int = 0, step_in_thread: bool = True, history: int | None = None,
                  stat_loggers: Sequence = (), quantization: str | None = None, kv_event_publisher=None,
-                 **engine_options):
+                 kv_connector=None, **engine_options):
         from ..model.registry import resolve_model, tokenizer_for
         config = EngineConfig().with_overrides(**engine_options)
         self.model = resolve_model(model, device=device, dtype=dtype, seed=seed, quantization=quantization)
         self.tokenizer = tokenizer if tokenizer is not None else tokenizer_for(getattr(self.model, "source", None))
         eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
         self.engine = Engine(self.model, config, eos_token_id=eos, tokenizer=self.tokenizer)
+        self.kv_connector = kv_connector
+        if kv_connector is not None:
+            kv_connector.attach(self.engine)
         self.kv_event_publisher = kv_event_publisher
         if kv_event_publisher is not None:
             self.engine.kv_cache.record_kv_events()
@@ -144,9 +151,9 @@ class AsyncLLM:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="engine-step")
         self._streams: dict[str, _Stream] = {}
         # notes for the loop, keyed by the stream object (an id may be reused once forgotten)
-        self._inbox: list[tuple[_Stream, list[int], SamplingParams, str | None, int]] = []
+        self._inbox: list[tuple[_Stream, list[int], SamplingParams, str | None, int, dict | None]] = []
         self._aborts: list[_Stream] = []
-        self._resets: list[asyncio.Future] = []        # reset_prefix_cache calls waiting for a step's end
+        self._calls: list[tuple[Callable, asyncio.Future]] = []    # between_steps calls waiting for a step's end
         self._ids = itertools.count()
         self._task: asyncio.Task | None = None
         self._wake: asyncio.Event | None = None
@@ -159,12 +166,15 @@ class AsyncLLM:
 
     # --- the public door -------------------------------------------------------
     async def stream(self, prompt, sampling_params: SamplingParams | None = None,
-                     request_id: str | None = None, priority: int = 0) -> AsyncIterator[StreamOutput]:
+                     request_id: str | None = None, priority: int = 0,
+                     kv_transfer: dict | None = None) -> AsyncIterator[StreamOutput]:
         """Submit a request and yield each new token as the engine produces it.
         The request is submitted when iteration starts; leaving early or
         cancelling the consumer aborts it. ``priority`` (lower runs first)
-        matters for ``policy="priority"``. Every stream of one ``AsyncLLM``
-        must come from the same event loop while its engine loop runs."""
+        matters for ``policy="priority"``. ``kv_transfer``: handed to the
+        ``kv_connector`` before the request enters the engine (P/D
+        disaggregation). Every stream of one ``AsyncLLM`` must come from the
+        same event loop while its engine loop runs."""
         if self._closed:
             raise RuntimeError("this AsyncLLM has been shut down: create a new one")
         params = SamplingParams() if sampling_params is None else sampling_params
@@ -182,10 +192,12 @@ class AsyncLLM:
         rid = str(request_id) if request_id is not None else f"stream-{next(self._ids)}"
         if rid in self._streams:
             raise ValueError(f"request_id {rid!r} is already streaming")
+        if kv_transfer is not None and self.kv_connector is None:
+            raise ValueError("kv_transfer needs an AsyncLLM built with a kv_connector")
         self._start_loop()
         st = self._streams[rid] = _Stream(rid, asyncio.Queue(), stop=params.stop,
                                           submitted=self.engine.wall_now(), num_prompt_tokens=len(ids))
-        self._inbox.append((st, ids, params, text, priority))
+        self._inbox.append((st, ids, params, text, priority, kv_transfer))
         self._wake.set()
         done = False
         try:
@@ -242,11 +254,16 @@ class AsyncLLM:
         False, changing nothing, while a request holds blocks or without a prefix cache."""
         if getattr(self.engine.kv_cache, "reset_prefix_cache", None) is None:
             return False
+        return await self.between_steps(lambda engine: self._reset_now())
+
+    async def between_steps(self, fn: Callable):
+        """``fn(engine)``, run on the engine loop between two steps (when nothing
+        else touches the engine), and its result (or its exception)."""
         self._check_loop()
         if self._task is None or self._task.done():     # no engine loop: nothing is stepping
-            return self._reset_now()
+            return fn(self.engine)
         done = asyncio.get_running_loop().create_future()
-        self._resets.append(done)
+        self._calls.append((fn, done))
         self._wake.set()
         return await done
 
@@ -349,12 +366,16 @@ class AsyncLLM:
                     self.engine.wall_now() - st.submitted, st.queued))
                 self._forget(req)
         inbox, self._inbox = self._inbox, []
-        for st, ids, params, text, priority in inbox:
+        for st, ids, params, text, priority, transfer in inbox:
             rid = st.request_id
             try:
+                if transfer is not None:
+                    self.kv_connector.on_add(self.engine, rid, transfer)
                 st.request = self.engine.add_request(ids, params, request_id=rid, prompt_text=text,
                                                      priority=priority)
             except (ValueError, TypeError) as e:
+                if transfer is not None:
+                    self.kv_connector.on_end(self.engine, rid)
                 st.queue.put_nowait(e)
 
     def _dispatch(self) -> None:
@@ -422,7 +443,10 @@ class AsyncLLM:
         return self.engine.scheduler.requests.get(req.request_id) is req
 
     def _forget(self, req: Request) -> None:
-        """With bounded history, the engine lets go of a request nobody will read again."""
+        """A request has ended and nobody will read it again: the connector drops
+        what it kept for it; with bounded history, the engine lets go of it."""
+        if self.kv_connector is not None:
+            self.kv_connector.on_end(self.engine, req.request_id)
         if self.history is not None and self._holds(req):
             self.engine.forget(req.request_id)
 
@@ -456,17 +480,21 @@ class AsyncLLM:
         loop = asyncio.get_running_loop()
         try:
             while True:
-                while self._resets:             # between steps: the engine is the loop's alone
-                    done = self._resets.pop(0)
-                    if not done.done():
-                        done.set_result(self._reset_now())
+                while self._calls:              # between steps: the engine is the loop's alone
+                    fn, done = self._calls.pop(0)
+                    if done.done():
+                        continue
+                    try:
+                        done.set_result(fn(self.engine))
+                    except Exception as e:      # noqa: BLE001  (handed to the caller)
+                        done.set_exception(e)
                 self._take_inbox()
                 self._dispatch()                # requests aborted or refused above end here
                 if self._iteration.finished_requests:
                     self._log_stats()
                 if not self.engine.has_unfinished():
                     self._wake.clear()
-                    if not (self._inbox or self._aborts):
+                    if not (self._inbox or self._aborts or self._calls):
                         await self._wake.wait()
                     continue
                 if self.step_in_thread:

@@ -315,6 +315,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="publish prefix-cache events for KV-aware routers, as vLLM does: e.g. "
                          "'{\"enable_kv_cache_events\": true, \"publisher\": \"zmq\", \"endpoint\": "
                          "\"tcp://*:5557\", \"topic\": \"kv\"}' (vLLM's fields; see entrypoints/server/kv_events.py)")
+    sv.add_argument("--kv-transfer-config", default=None, metavar="JSON",
+                    help="prefill/decode disaggregation with vLLM's kv_transfer_params: '{\"kv_connector\": "
+                         "\"MinibatchConnector\", \"kv_role\": \"kv_producer\"}' for a prefill replica, "
+                         "kv_consumer for a decode replica, kv_both for either (see entrypoints/server/kv_transfer.py)")
     _connection_args(sv)
     _access_args(sv)
     _bench_args(sv, False, serve=True)
@@ -673,7 +677,7 @@ def _serve(args) -> int:
                    quantization=args.quantization,
                    scheduler=args.scheduler, max_num_seqs=args.max_batch, max_model_len=args.max_model_len,
                    attention_backend=args.attention_backend, cpu_threads=args.cpu_threads,
-                   kv_events_config=args.kv_events_config,
+                   kv_events_config=args.kv_events_config, kv_transfer_config=args.kv_transfer_config,
                    **_engine_options(args), **_spec_option(args), **_access_options(args))
     serve(app, host=args.host, port=args.port, shutdown_timeout=args.shutdown_timeout)
     return 0

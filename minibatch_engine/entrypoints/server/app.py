@@ -38,7 +38,7 @@ from aiohttp import web
 
 from ..async_llm import AsyncLLM, StreamOutput
 from ...core.inputs import encode_text
-from . import tokenize_routes
+from . import kv_transfer, tokenize_routes
 from .access import CorsPolicy, add_cors_headers, api_key_middleware, cors_middleware
 from .chat_template import byte_level_chat
 from .errors import error_middleware
@@ -56,7 +56,8 @@ STATE_KEY = web.AppKey("state", dict)
 def build_app(llm: AsyncLLM, model_name: str, max_waiting: int = 1024, chat_template=byte_level_chat,
               metrics: PrometheusStatLogger | None = None, shutdown_timeout: float = 30.0,
               limits: ConnectionLimits | None = None, api_keys: list[str] | None = None,
-              cors: CorsPolicy | None = None, metrics_prefixes=("minibatch",)) -> web.Application:
+              cors: CorsPolicy | None = None, metrics_prefixes=("minibatch",),
+              kv_transfer_config: "kv_transfer.KVTransferConfig | None" = None) -> web.Application:
     """The aiohttp application. ``llm``'s stat loggers get the Prometheus one.
     ``max_waiting``: a request that would make more than this many requests
     wait is refused with 503 (one that asks for more than this many at once,
@@ -64,7 +65,9 @@ def build_app(llm: AsyncLLM, model_name: str, max_waiting: int = 1024, chat_temp
     seconds to finish, then are aborted, and the engine loop stops.
     ``limits``: the connection deadlines and bound (:mod:`.limits`).
     ``api_keys``, ``cors``: who may call it (:mod:`.access`);
-    ``metrics_prefixes``: the metric names' prefixes (:mod:`.metrics`)."""
+    ``metrics_prefixes``: the metric names' prefixes (:mod:`.metrics`).
+    ``kv_transfer_config``: P/D disaggregation (:mod:`.kv_transfer`); ``llm``
+    must have been built with its connector."""
     if metrics is None:
         metrics = PrometheusStatLogger(model_name, metrics_prefixes, llm.engine.max_model_len)
     metrics.set_cache_config(llm.engine)
@@ -77,7 +80,13 @@ def build_app(llm: AsyncLLM, model_name: str, max_waiting: int = 1024, chat_temp
     app[LLM_KEY] = llm
     app[STATE_KEY] = {"model": model_name, "max_waiting": max_waiting, "chat_template": chat_template,
                       "metrics": metrics, "created": int(time.time()), "in_flight": 0, "starting": 0,
-                      "drain_timeout": shutdown_timeout, "limits": limits or ConnectionLimits()}
+                      "drain_timeout": shutdown_timeout, "limits": limits or ConnectionLimits(),
+                      "kv_transfer": kv_transfer_config}
+    if kv_transfer_config is not None:
+        if llm.kv_connector is None:
+            raise ValueError("kv_transfer_config needs an AsyncLLM built with its connector "
+                             "(kv_transfer_config.connector_or_error())")
+        kv_transfer.install(app, LLM_KEY, llm.kv_connector)
     app.add_routes([web.post("/v1/completions", _completions), web.post("/v1/chat/completions", _chat),
                     web.get("/v1/models", _models), web.get("/health", _health),
                     web.get("/metrics", _metrics), web.get("/version", _version),
@@ -152,9 +161,10 @@ def _limit(llm: AsyncLLM) -> int:
     return min(eng.max_model_len, eng.kv_cache.max_tokens_per_request())
 
 
-async def _read(request, chat: bool) -> GenerationRequest:
+async def _read(request, chat: bool) -> tuple[GenerationRequest, dict]:
     raw = await read_body(request, request.app[STATE_KEY]["limits"].body_timeout)
-    return parse_request(parse_json(raw), chat)
+    body = parse_json(raw)
+    return parse_request(body, chat), body
 
 
 def _encode(llm: AsyncLLM, req: GenerationRequest, template) -> list[list[int]]:
@@ -193,7 +203,7 @@ def _encode(llm: AsyncLLM, req: GenerationRequest, template) -> list[list[int]]:
 async def _generate(request, chat: bool):
     app, llm = request.app, request.app[LLM_KEY]
     st = app[STATE_KEY]
-    req = await _read(request, chat)
+    req, body = await _read(request, chat)
     if req.model is not None and req.model != st["model"]:
         raise APIError(f"The model `{req.model}` does not exist.", "model", 404)
     if req.params.stop and llm.tokenizer is None:
@@ -209,6 +219,7 @@ async def _generate(request, chat: bool):
             field = req.structured_field
             raise APIError(str(e) if field == "structured_outputs" else f"{e} (asked for by '{field}')",
                            field) from None
+    transfer = kv_transfer.plan(body, req, llm.kv_connector if st["kv_transfer"] is not None else None)
     prompts = _encode(llm, req, st["chat_template"])
     if llm._error is not None:
         raise APIError("the engine loop has failed", status=503)
@@ -226,12 +237,20 @@ async def _generate(request, chat: bool):
         req.params = dataclasses.replace(req.params, max_tokens=room if chat else min(16, room))
     rid = new_id(chat)
     jobs = [(i * req.n + k, ids, req.choice_params(k)) for i, ids in enumerate(prompts) for k in range(req.n)]
+    fields = None
     st["in_flight"] += 1
     admission = Admission(st, len(jobs))
     try:
+        if transfer is not None and transfer.remote_prefill:      # a decode replica: the prompt's K/V first
+            kv = await kv_transfer.pull(transfer, prompts[0], llm.kv_connector, st["kv_transfer"].pull_timeout_s)
+            jobs = [(*jobs[0], {"load": kv})]
+        elif transfer is not None:                                # a prefill replica: pin the prompt's K/V
+            jobs = [(*jobs[0], {"pin": True})]
+            fields = lambda: {kv_transfer.PARAM: kv_transfer.response_params(     # noqa: E731
+                request, st["kv_transfer"], llm.kv_connector, f"{rid}-0")}
         if req.stream:
             return await _stream(request, req, rid, prompts, jobs, st, admission)
-        return await _whole(req, rid, prompts, jobs, st, llm, admission)
+        return await _whole(req, rid, prompts, jobs, st, llm, admission, fields)
     finally:
         admission.release()
         st["in_flight"] -= 1
@@ -299,9 +318,10 @@ async def _merged(llm: AsyncLLM, rid: str, jobs, priority: int,
     (``aclosing``) so that happens at once, not when it is garbage-collected."""
     queue: asyncio.Queue = asyncio.Queue()
 
-    async def pump(index, ids, params):
+    async def pump(index, ids, params, transfer=None):
         try:
-            outs = llm.stream(ids, params, request_id=f"{rid}-{index}", priority=priority)
+            extra = {} if transfer is None else {"kv_transfer": transfer}
+            outs = llm.stream(ids, params, request_id=f"{rid}-{index}", priority=priority, **extra)
             admission.submitted()               # the first step of the loop below puts it in the inbox,
             async for out in outs:              # with no await in between: the count stays exact
                 queue.put_nowait((index, out))
@@ -322,7 +342,9 @@ async def _merged(llm: AsyncLLM, rid: str, jobs, priority: int,
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
-async def _whole(req, rid, prompts, jobs, st, llm, admission):
+async def _whole(req, rid, prompts, jobs, st, llm, admission, fields=None):
+    """The whole response at once; ``fields()``, if given, adds top-level fields
+    once every choice has finished (a prefill replica's ``kv_transfer_params``)."""
     model = st["model"]
     texts, counts, reasons, ids, entries, prompt_entries = {}, {}, {}, {}, {}, {}
     async with aclosing(_merged(llm, rid, jobs, req.priority, admission)) as outs:
@@ -350,8 +372,10 @@ async def _whole(req, rid, prompts, jobs, st, llm, admission):
         if req.params.prompt_logprobs is not None and i in prompt_entries:
             c["prompt_logprobs"] = prompt_logprobs_json(prompt_entries[i], decode)
         choices.append(c)
-    return web.json_response(response(rid, model, choices, req.chat,
-                                      usage_=usage(sum(map(len, prompts)), sum(counts.values()))))
+    out = response(rid, model, choices, req.chat, usage_=usage(sum(map(len, prompts)), sum(counts.values())))
+    if fields is not None:
+        out.update(fields())
+    return web.json_response(out)
 
 
 async def _stream(request, req, rid, prompts, jobs, st, admission):

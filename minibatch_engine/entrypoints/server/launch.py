@@ -30,14 +30,16 @@ def make_app(model="tiny", served_model_name: str | None = None, max_waiting: in
              chat_template: str | None = None, history: int | None = DEFAULT_HISTORY,
              limits: ConnectionLimits | None = None, api_keys: list[str] | None = None,
              cors=None, metrics_prefixes=("minibatch",), kv_events_config=None,
-             **llm_options) -> web.Application:
+             kv_transfer_config=None, **llm_options) -> web.Application:
     """Build the model, an :class:`AsyncLLM` around it and the application.
     ``llm_options`` are AsyncLLM's (``device``, ``dtype``, engine options).
     The chat template is read (and its syntax checked) before the model is built.
     ``api_keys``, ``cors`` (a :class:`~.access.CorsPolicy`) and
     ``metrics_prefixes`` go to :func:`~.app.build_app`. ``kv_events_config``
     (vLLM's ``--kv-events-config``: JSON, a dict or a
-    :class:`~.kv_events.KVEventsConfig`) publishes the prefix cache's events."""
+    :class:`~.kv_events.KVEventsConfig`) publishes the prefix cache's events.
+    ``kv_transfer_config`` (vLLM's ``--kv-transfer-config``: JSON, a dict or a
+    :class:`~.kv_transfer.KVTransferConfig`) makes it a prefill or decode replica."""
     from .metrics import check_prefixes
     check_prefixes(metrics_prefixes)           # a bad flag fails before the model loads
     limit_malloc_arenas()                      # before the engine loop's thread starts (.memory)
@@ -45,6 +47,12 @@ def make_app(model="tiny", served_model_name: str | None = None, max_waiting: in
         raise ValueError(f"--served-model-name must be a non-empty name, got {served_model_name!r}")
     source = model if isinstance(model, str) else None
     template = load_chat_template(source, chat_template) if chat_template is not None else None
+    transfer = connector = None
+    if kv_transfer_config is not None:
+        from .kv_transfer import KVTransferConfig
+        transfer = kv_transfer_config if isinstance(kv_transfer_config, KVTransferConfig) \
+            else KVTransferConfig.parse(kv_transfer_config)     # a bad config fails before the model loads
+        connector = transfer.connector_or_error()
     publisher = None
     if kv_events_config is not None:
         from .kv_events import KVEventsConfig, make_publisher
@@ -52,7 +60,7 @@ def make_app(model="tiny", served_model_name: str | None = None, max_waiting: in
             else kv_events_config          # a bad config fails before the model loads
         publisher = make_publisher(cfg) if cfg.active else None
     try:
-        llm = AsyncLLM(model, history=history, kv_event_publisher=publisher, **llm_options)
+        llm = AsyncLLM(model, history=history, kv_event_publisher=publisher, kv_connector=connector, **llm_options)
     except BaseException:
         if publisher is not None:
             publisher.close()
@@ -61,7 +69,7 @@ def make_app(model="tiny", served_model_name: str | None = None, max_waiting: in
     if template is None:
         template = load_chat_template(getattr(llm.model, "source", None))
     app = build_app(llm, name, max_waiting=max_waiting, chat_template=template, limits=limits,
-                    api_keys=api_keys, cors=cors, metrics_prefixes=metrics_prefixes)
+                    api_keys=api_keys, cors=cors, metrics_prefixes=metrics_prefixes, kv_transfer_config=transfer)
     if publisher is not None:
         async def close_publisher(app):
             publisher.close()

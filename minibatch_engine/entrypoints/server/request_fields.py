@@ -45,7 +45,9 @@ REFUSED_BOTH = {
 }
 REFUSED_CHAT = {"echo": (None, False), "chat_template": (None,), "chat_template_kwargs": (None, {}),
                 "continue_final_message": (None, False), "documents": (None,),
-                "include_reasoning": (None, False), "prompt_logprobs": (None,)}
+                "prompt_logprobs": (None,)}
+# Accepted and ignored: "include_reasoning" (vLLM's default is true; with no reasoning parser
+# there is no reasoning to include or leave out; vllm-router's P/D mode sends it set to true).
 REFUSED_COMPLETIONS = {"top_logprobs": (None,)}
 
 
