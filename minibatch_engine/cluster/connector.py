@@ -78,7 +78,9 @@ class KVReceivingEngine(Engine):
         return KVReceivingScheduler.adopt(super()._make_scheduler())
 
 
-def _slots(block_table, num_tokens: int, block_size: int) -> torch.Tensor:
+def token_slots(block_table, num_tokens: int, block_size: int) -> torch.Tensor:
+    """The pool slots of a sequence's first ``num_tokens`` tokens under its
+    ``block_table`` (its slot mapping, as the runner computes it for a step)."""
     pos = torch.arange(num_tokens)
     return torch.tensor(block_table, dtype=torch.long)[pos // block_size] * block_size + pos % block_size
 
@@ -111,7 +113,7 @@ class KVSavingRunner(_RunnerWrapper):
         out = self.runner.execute(sched)
         for s in sched.scheduled:
             if s.start < s.num_prompt_tokens <= s.start + s.num_tokens:
-                slots = _slots(s.block_table, s.num_prompt_tokens, self.block_size).to(self._flat.device)
+                slots = token_slots(s.block_table, s.num_prompt_tokens, self.block_size).to(self._flat.device)
                 self.outbox[s.request_id] = self._flat[:, :, slots].clone()
         return out
 
@@ -142,6 +144,6 @@ class KVLoadingRunner(_RunnerWrapper):
                 if s.start != kv.shape[2]:
                     raise RuntimeError(f"request {s.request_id}: admitted at position {s.start}, but its "
                                        f"received K/V covers {kv.shape[2]} tokens")
-                slots = _slots(s.block_table, kv.shape[2], self.block_size).to(self._flat.device)
+                slots = token_slots(s.block_table, kv.shape[2], self.block_size).to(self._flat.device)
                 self._flat[:, :, slots] = kv.to(self._flat.device, self._flat.dtype)
         return self.runner.execute(sched)

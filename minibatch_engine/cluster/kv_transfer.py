@@ -50,7 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from ..core.request import FinishReason
-from .connector import KVLoadingRunner, KVReceivingScheduler, _slots
+from .connector import KVLoadingRunner, KVReceivingScheduler, token_slots
 
 ROLES = ("kv_producer", "kv_consumer", "kv_both")
 PIN = "kv-pin:"             # a pin's id in the KV cache: PIN + the request's id
@@ -214,7 +214,7 @@ class PDConnector:
         if pin is None:
             raise KeyError(request_id)
         flat = self.engine.runner._flat
-        slots = _slots(list(pin.block_ids), len(pin.token_ids), self.engine.runner.block_size)
+        slots = token_slots(list(pin.block_ids), len(pin.token_ids), self.engine.runner.block_size)
         kv = flat[:, :, slots.to(flat.device)].to("cpu", copy=True)
         sched.unpin(request_id)
         self.stats.sent += 1
