@@ -152,3 +152,32 @@ def plan_point(point) -> dict:
                         for k in plan.skipped if not k.reason.startswith("pruned")],
             "offered output tok/s": s["offered_output_tokens_per_s"], "offered tok/s": s["offered_tokens_per_s"],
             "usd_per_gpu_hour": s["usd_per_gpu_hour"], "simulations": plan.simulations}
+
+
+SLOS = {"llama-3-70b": (500.0, 50.0), "llama-3.1-405b": (1000.0, 100.0)}   # p90 TTFT, TPOT (ms)
+DEPLOY_SEARCH = dict(num_requests=200, trace_start=600.0, budgets=(2048,))
+
+
+def deploy_point(point) -> dict:
+    """The explorable's grid: ``(model, gpu, tp, pp, rate)`` on the conversation
+    trace, the fewest replicas of that one layout (token budget 2,048) meeting
+    the model's SLO in :data:`SLOS`. Returns the replicas, GPUs, p90 TTFT and
+    TPOT (ms) and USD per million output tokens, or why there is no plan."""
+    model, gpu, tp, pp, rate = point
+    ttft, tpot = SLOS[model]
+    try:
+        plan = plan_deployment(model, gpu, "azure-conv", rate, slo_ttft_ms=ttft, slo_tpot_ms=tpot,
+                               tp_sizes=(tp,), pp_sizes=(pp,), **DEPLOY_SEARCH)
+    except NoPlanError as e:
+        skipped = e.plan.skipped
+        c = e.plan.closest
+        if c is not None:
+            why = (f"no replica count up to 64 GPUs meets the SLO; {c.deployment.gpus} GPUs reach "
+                   + (f"a p90 TTFT above {c.ttft_ms:,.0f} ms" if c.stopped
+                      else f"p90 TTFT {c.ttft_ms:,.0f} ms, TPOT {c.tpot_ms:.1f} ms"))
+        else:
+            why = skipped[0].reason if skipped else "nothing could be simulated"
+        return {"ok": False, "why": why}
+    c = plan.chosen
+    return {"ok": True, "replicas": c.deployment.replicas, "gpus": c.deployment.gpus, "ttft_ms": c.ttft_ms,
+            "tpot_ms": c.tpot_ms, "cost_per_mtok": c.cost_per_mtok}
