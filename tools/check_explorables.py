@@ -94,6 +94,7 @@ EXPECTED = {
     "07_scheduling_policies.html": {"ch7-policies"},
     "08_serving_under_load.html": {"ch8-load"},
     "13_fewer_bytes.html": {"ch13-memory"},
+    "14_big_models.html": {"ch14-deploy"},
 }
 
 

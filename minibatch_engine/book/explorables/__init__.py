@@ -14,9 +14,12 @@ number it computes against Python's.
 * :func:`~minibatch_engine.book.memory_calculator.memory_explorer` (chapter 13):
   model, attention variant, KV and weight dtypes, context and GPUs -> the
   largest batch and a decode step's time.
+* :func:`deploy_explorer` (chapter 14): model, GPU, TP, PP and rate -> the
+  planner's GPUs, p90 TTFT and TPOT, and cost per million output tokens.
 """
 from .base import Explorable
 from .blocks import block_explorer, block_run
+from .deploy import deploy_explorer
 from .eta import eta_explorer
 from .latency import latency_explorer, policy_latency, sweep_latency
 from .timeline import (
@@ -29,6 +32,6 @@ from .timeline import (
     trace_panel,
 )
 
-__all__ = ["Explorable", "block_explorer", "block_run", "eta_explorer", "itl_check", "itl_panel", "latency_explorer",
+__all__ = ["Explorable", "block_explorer", "block_run", "deploy_explorer", "eta_explorer", "itl_check", "itl_panel", "latency_explorer",
            "policy_latency", "preemption_check", "preemption_panel", "step_scrubber",
            "sweep_latency", "totals_check", "trace_panel"]
