@@ -12,8 +12,10 @@ lengths) in one process, alternating round by round, through two systems:
 * ``openvino``: OpenVINO GenAI's ``ContinuousBatchingPipeline`` (C++, paged
   attention) with fp32 inference and KV cache (``INFERENCE_PRECISION_HINT``,
   ``KV_CACHE_PRECISION``), ``INFERENCE_NUM_THREADS`` threads, ``max_num_seqs``
-  equal to the engine's batch, and each request's length fixed with
-  ``min_new_tokens = max_new_tokens`` and ``ignore_eos``;
+  equal to the engine's batch, and each request's length fixed by
+  ``max_new_tokens`` with ``ignore_eos`` (not ``min_new_tokens``: that masks
+  the EOS token's logit, so a greedy request whose argmax is EOS would take the
+  runner-up and part from the engine, which keeps the model's own argmax);
 * ``engine``: this engine, loading the same checkpoint through its own
   Hugging Face loader, with the same threads and batch.
 
@@ -161,7 +163,7 @@ def run_openvino(pipe, prompts, max_tokens) -> list[list[int]]:
     configs = []
     for m in max_tokens:
         c = ov_genai.GenerationConfig()
-        c.do_sample, c.ignore_eos, c.max_new_tokens, c.min_new_tokens = False, True, m, m
+        c.do_sample, c.ignore_eos, c.max_new_tokens = False, True, m
         configs.append(c)
     ids = [ov.Tensor(np.array([p], dtype=np.int64)) for p in prompts]
     return [list(r.m_generation_ids[0]) for r in pipe.generate(ids, configs)]
