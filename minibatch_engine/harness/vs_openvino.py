@@ -155,8 +155,10 @@ def openvino_pipeline(ir: Path, batch: int, max_num_batched_tokens: int, cache_g
     return ov_genai.ContinuousBatchingPipeline(str(ir), sc, "CPU", props)
 
 
-def run_openvino(pipe, prompts, max_tokens) -> list[list[int]]:
-    """Greedy, each request exactly its own number of output tokens."""
+def run_openvino(pipe, prompts, max_tokens, eos_token_id: int | None = None) -> list[list[int]]:
+    """Greedy, each request exactly its own number of output tokens (``ignore_eos``).
+    A checkpoint without an EOS token is given token 0 as one: GenAI refuses the
+    -1 it would use, and ``ignore_eos`` lets token 0 through like any other."""
     import numpy as np
     import openvino as ov
     import openvino_genai as ov_genai
@@ -164,6 +166,7 @@ def run_openvino(pipe, prompts, max_tokens) -> list[list[int]]:
     for m in max_tokens:
         c = ov_genai.GenerationConfig()
         c.do_sample, c.ignore_eos, c.max_new_tokens = False, True, m
+        c.set_eos_token_id(0 if eos_token_id is None else eos_token_id)
         configs.append(c)
     ids = [ov.Tensor(np.array([p], dtype=np.int64)) for p in prompts]
     return [list(r.m_generation_ids[0]) for r in pipe.generate(ids, configs)]
@@ -216,11 +219,13 @@ def compare(model="tiny", size: str | None = None, num_requests: int = 64, batch
     budget = EngineConfig(max_num_seqs=batch).resolve(ours.config).max_num_batched_tokens
     cache_gb = kv_cache_gb(hf_config, prompts, max_tokens)
     pipe = openvino_pipeline(ir, batch, budget, cache_gb, threads)
-    runs = {"openvino": lambda: run_openvino(pipe, prompts, max_tokens),
+    eos = hf_config.get("eos_token_id")
+    eos = eos[0] if isinstance(eos, list) else eos
+    runs = {"openvino": lambda: run_openvino(pipe, prompts, max_tokens, eos),
             "engine": lambda: run_engine(ours, prompts, max_tokens, batch, attention_backend, threads)}
     log("warming up both systems (untimed)...")
     warmup(ours)
-    run_openvino(pipe, prompts[:2], [4, 4])
+    run_openvino(pipe, prompts[:2], [4, 4], eos)
     results = {name: SystemResult(name) for name in SYSTEMS}
     for r in range(rounds):
         order = SYSTEMS[r % 2:] + SYSTEMS[:r % 2]          # rotate who goes first
