@@ -105,8 +105,11 @@ def export_openvino(checkpoint: str | Path, cache_dir: str | Path = DEFAULT_CACH
     out = Path(cache_dir) / f"ir-{checkpoint_key(checkpoint)}"
     if (out / "openvino_model.xml").is_file() and (out / "openvino_model.bin").is_file():
         return out, False
+    import transformers
     from optimum.exporters.openvino import main_export
     from optimum.intel import OVConfig
+    transformers.logging.set_verbosity_error()          # tracing warnings: not the user's concern
+    transformers.utils.logging.disable_progress_bar()
     log(f"exporting {checkpoint} to OpenVINO IR (fp32 weights) in {out}...")
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
