@@ -268,7 +268,7 @@ def format_comparison(s: dict) -> str:
     lines = [f"{Path(s['checkpoint']).name} ({s['parameters'] / 1e6:.1f}M parameters) on the {s['workload']} "
              f"workload: {s['num_requests']} requests, {s['output_tokens']:,} output tokens, greedy, fixed "
              f"lengths; batch {s['batch']}, {s['threads']} threads, fp32 weights and KV, {s['rounds']} "
-             f"alternating rounds (torch {s['torch']}, OpenVINO GenAI {s['openvino_genai']})",
+             f"alternating round{'s' if s['rounds'] > 1 else ''} (torch {s['torch']}, OpenVINO GenAI {s['openvino_genai']})",
              f"  {'system':<10}{'median tok/s':>14}   per round"]
     for name, r in s["systems"].items():
         rounds = ", ".join(f"{t:,.0f}" for t in r["tokens_per_second_per_round"])
