@@ -235,8 +235,21 @@ def _workload_tail(p: argparse.ArgumentParser, simulate: bool, sweep: bool) -> N
         p.add_argument("--vs-transformers", action="store_true",
                        help="run the workload through transformers' generate, transformers' continuous "
                             "batching and this engine (same weights, alternating rounds) and compare")
-        p.add_argument("--rounds", type=positive_int, default=3, help="with --vs-transformers: alternating rounds")
-        p.add_argument("--threads", type=positive_int, default=2, help="with --vs-transformers: torch CPU threads")
+        p.add_argument("--vs-openvino", action="store_true",
+                       help="run the workload through OpenVINO GenAI's ContinuousBatchingPipeline and this "
+                            "engine (the same checkpoint, exported once to OpenVINO IR; fp32; alternating "
+                            "rounds) and compare throughput and tokens (needs the extra: "
+                            "pip install 'minibatch-engine[openvino]')")
+        p.add_argument("--size", choices=("tiny", "125m"), default=None,
+                       help="with --vs-openvino: instead of --model, a seeded random Llama it creates "
+                            "(tiny: the built-in 3M model; 125m: hidden 768, 12 layers, 12/4 heads, vocab 32000)")
+        p.add_argument("--openvino-cache", metavar="DIR", default=None,
+                       help="with --vs-openvino: where created checkpoints and exported IR are kept "
+                            "(default ~/.cache/minibatch-engine/openvino)")
+        p.add_argument("--rounds", type=positive_int, default=3,
+                       help="with --vs-transformers or --vs-openvino: alternating rounds")
+        p.add_argument("--threads", type=positive_int, default=2,
+                       help="with --vs-transformers or --vs-openvino: CPU threads of every system")
     if simulate:
         p.add_argument("--no-progress", action="store_true", help="no progress bar")
         _cluster_args(p)
@@ -764,6 +777,12 @@ def _bench(args, simulate: bool) -> int:
     from ..harness.bench import format_report, run_bench, write_json
     if not simulate and args.endpoint is not None:
         return _bench_endpoint(args)
+    if not simulate and args.vs_openvino:
+        if args.vs_transformers:
+            raise ValueError("--vs-openvino and --vs-transformers are two separate comparisons: give one")
+        return _vs_openvino(args)
+    if not simulate and args.size is not None:
+        raise ValueError("--size creates a checkpoint for --vs-openvino: add --vs-openvino, or pass --model")
     if not simulate and args.vs_transformers:
         return _vs_transformers(args)
     summary, engine = run_bench(
@@ -854,8 +873,8 @@ def _bench_endpoint(args) -> int:
     from ..harness.bench import format_report, write_json
     from ..harness.endpoint_client import bench_endpoint
     _check_endpoint(args)
-    if args.clients or args.workload == "mixed-classes" or args.vs_transformers or args.plot:
-        raise ValueError("--endpoint measures one stream of requests: drop --clients, --vs-transformers, "
+    if args.clients or args.workload == "mixed-classes" or args.vs_transformers or args.vs_openvino or args.plot:
+        raise ValueError("--endpoint measures one stream of requests: drop --clients, --vs-transformers, --vs-openvino, "
                          "--plot and the mixed-classes workload")
     summary = bench_endpoint(args.endpoint, model=args.model, workload=args.workload,
                              num_requests=args.num_requests, seed=args.seed, arrival_rate=args.arrival_rate,
@@ -884,6 +903,27 @@ def _vs_transformers(args) -> int:
     note = stored_difference(summary)
     if note:
         print(note)
+    if args.json:
+        write_json(summary, args.json)
+    return 0
+
+
+def _vs_openvino(args) -> int:
+    from ..harness.bench import write_json
+    from ..harness.vs_openvino import DEFAULT_CACHE, compare, format_comparison
+    if args.device not in ("auto", "cpu") or args.dtype != "float32" or args.quantization:
+        raise ValueError("--vs-openvino runs on the CPU in float32: drop --device/--dtype/--quantization")
+    if args.size is not None and args.model != "tiny":
+        raise ValueError("--size creates its own checkpoint: give --size or --model, not both")
+    try:
+        summary = compare(args.model, size=args.size, num_requests=args.num_requests,
+                          batch=min(args.max_batch, args.num_requests), seed=args.seed, rounds=args.rounds,
+                          threads=args.threads, attention_backend=args.attention_backend, workload=args.workload,
+                          cache_dir=args.openvino_cache or DEFAULT_CACHE,
+                          log=(lambda *a: None) if args.no_progress else (lambda m: print(m, file=sys.stderr)))
+    except ImportError as e:
+        raise ValueError(str(e)) from None
+    print(format_comparison(summary))
     if args.json:
         write_json(summary, args.json)
     return 0

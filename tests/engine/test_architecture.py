@@ -25,7 +25,7 @@ LAYERS = [
     {"config", "core.trace", "core.engine_stats", "harness.metrics", "harness.profiling", "harness.workload",
      "harness.request_traces", "harness.machine_limit", "harness.utilization"},
     {"core.engine"},
-    {"llm", "entrypoints.async_llm", "harness.bench", "harness.sweep", "harness.vs_transformers", "book", "cluster"},
+    {"llm", "entrypoints.async_llm", "harness.bench", "harness.sweep", "harness.vs_transformers", "harness.vs_openvino", "book", "cluster"},
     {"entrypoints.server", "harness.endpoint_client"},   # HTTP: the OpenAI-compatible server and its load client
     {"entrypoints.cli", "__main__", ""},
 ]

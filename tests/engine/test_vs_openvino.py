@@ -1,0 +1,71 @@
+"""``bench --vs-openvino``: token agreement, the clear error without OpenVINO, and
+(with the ``openvino`` extra installed) one short run's report and the IR cache.
+The benchmark's timings are not tested."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+
+from minibatch_engine.entrypoints.cli import main
+from minibatch_engine.harness.vs_openvino import first_difference, token_agreement
+
+HAVE_OPENVINO = all(importlib.util.find_spec(m) is not None for m in ("openvino_genai", "optimum"))
+needs_openvino = pytest.mark.skipif(not HAVE_OPENVINO, reason="OpenVINO GenAI and optimum-intel are not "
+                                    "installed (the optional extra: pip install 'minibatch-engine[openvino]')")
+
+
+def test_token_agreement_counts_identical_requests():
+    a = [[1, 2, 3], [4, 5], [6], []]
+    b = [[1, 2, 3], [4, 6], [6, 7], []]
+    assert token_agreement(a, a) == 4
+    assert token_agreement(a, b) == 2
+    assert token_agreement([(1, 2)], [[1, 2]]) == 1          # a tuple and a list of the same tokens agree
+    with pytest.raises(ValueError, match="as many requests"):
+        token_agreement(a, b[:3])
+    assert [first_difference(x, y) for x, y in zip(a, b)] == [None, 1, 1, None]
+
+
+def test_missing_openvino_is_a_clear_error(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "openvino_genai", None)     # import fails
+    assert main(["bench", "--vs-openvino", "--no-progress"]) == 2
+    assert "minibatch-engine[openvino]" in capsys.readouterr().err
+
+
+def test_size_without_vs_openvino_is_refused(capsys):
+    assert main(["bench", "--size", "125m", "--no-progress"]) == 2
+    assert "--vs-openvino" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def two_layer_checkpoint(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from minibatch_engine.model.config import ModelConfig
+    from minibatch_engine.model.hf_export import save_hf_checkpoint
+    from minibatch_engine.model.transformer import build_model
+    cfg = ModelConfig(family="llama", name="two-layer", vocab_size=256, hidden_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=2, intermediate_size=128, max_position=512)
+    path = tmp_path_factory.mktemp("ckpt")
+    save_hf_checkpoint(build_model(cfg, device="cpu", dtype="float32", seed=3), path)
+    return path
+
+
+@needs_openvino
+def test_report_fields_agreement_and_ir_cache(two_layer_checkpoint, tmp_path):
+    from minibatch_engine.harness.vs_openvino import compare, export_openvino, format_comparison
+    s = compare(two_layer_checkpoint, num_requests=4, batch=4, rounds=1, threads=2, cache_dir=tmp_path,
+                log=lambda *a: None)
+    for key in ("systems", "engine_vs_openvino_per_round", "engine_vs_openvino_median", "requests_token_equal",
+                "output_tokens", "openvino_genai", "exported_now", "load_average_at_end"):
+        assert key in s
+    assert set(s["systems"]) == {"openvino", "engine"}
+    assert all(len(r["seconds"]) == 1 and r["tokens_per_second"] > 0 for r in s["systems"].values())
+    assert s["exported_now"] is True
+    # fp32 weights and KV, greedy, fixed lengths: the same tokens on every request
+    assert s["requests_token_equal"] == 4, s["first_difference_positions"]
+    assert "token agreement: 4/4" in format_comparison(s)
+    xml = tmp_path / s["ir"].rsplit("/", 1)[-1] / "openvino_model.xml"
+    before = xml.stat().st_mtime_ns
+    ir, exported = export_openvino(two_layer_checkpoint, tmp_path, log=lambda *a: None)
+    assert not exported and str(ir) == s["ir"] and xml.stat().st_mtime_ns == before
