@@ -17,7 +17,7 @@ def simulate_cluster(replicas: int = 2, router: str = "round-robin", workload: s
                      seed: int = 0, sim_gpu: str = "H100-SXM", sim_model: str = "llama-3-8b",
                      max_batch: int = 256, prefix_source: str = "router", max_imbalance: int | None = 8,
                      percentiles=DEFAULT_PERCENTILES, goodput=None, progress: bool = False,
-                     **engine_options) -> tuple[dict, Cluster]:
+                     specs=None, **engine_options) -> tuple[dict, Cluster]:
     """Run a seeded workload on ``replicas`` simulated engines behind a ``router``
     policy (:data:`~.router.ROUTER_POLICIES`; ``max_imbalance`` is the prefix
     policy's load guard). Returns (summary, cluster): the summary holds the
@@ -25,13 +25,18 @@ def simulate_cluster(replicas: int = 2, router: str = "round-robin", workload: s
     (vLLM's keys over every request, ``steady_*``, ``prefix_hit_rate``,
     ``load_imbalance``, per-GPU rates). ``engine_options``: each replica's
     :class:`~minibatch_engine.config.EngineConfig` fields (``kv_budget_bytes``,
-    ``tensor_parallel_size``, ...)."""
+    ``tensor_parallel_size``, ...). ``specs``: the requests to run
+    (:class:`~minibatch_engine.harness.workload.RequestSpec`, as a live run sent
+    them) instead of drawing ``num_requests`` from ``workload``."""
     ps, slo = parse_percentiles(percentiles), parse_goodput(goodput)
     policy = make_router(router, **({"max_imbalance": max_imbalance} if router == "prefix" else {}))
     engines = sim_engines(replicas, sim_gpu, sim_model, max_batch, **engine_options)
     cluster = Cluster({"all": (engines, policy)}, prefix_source=prefix_source)
-    specs = make_workload(workload, num_requests, seed=seed, vocab_size=256, arrival_rate=arrival_rate,
-                          burstiness=burstiness)
+    if specs is None:
+        specs = make_workload(workload, num_requests, seed=seed, vocab_size=256, arrival_rate=arrival_rate,
+                              burstiness=burstiness)
+    else:
+        num_requests = len(specs)
     for i, s in enumerate(specs):
         cluster.submit(s.prompt_token_ids, s.sampling_params(), s.arrival_time, f"req-{i}")
     with tqdm(total=len(specs), desc=f"cluster {router}", unit="req", disable=not progress, leave=False) as bar:

@@ -106,17 +106,20 @@ async def scrape(session, url: str) -> dict[str, float]:
     return out
 
 
-async def _one(session, url: str, model: str, spec, t0: float, api_key: str) -> EndpointRecord:
+async def _one(session, url: str, model: str, spec, t0: float, api_key: str, render=None,
+               headers=None) -> EndpointRecord:
     await asyncio.sleep(max(0.0, spec.arrival_time - (time.perf_counter() - t0)))
     sent = time.perf_counter() - t0
     body = {"model": model, "prompt": list(spec.prompt_token_ids), "max_tokens": spec.max_tokens,
             "temperature": 0.0, "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     if spec.priority:
         body["priority"] = spec.priority
+    if render is not None:
+        body.update(render(spec))
+    sent_headers = {"Authorization": f"Bearer {api_key}", **(headers(spec) if headers is not None else {})}
     times, reason, used, error = [], None, None, None
     try:
-        async with session.post(f"{url}/v1/completions", json=body,
-                                headers={"Authorization": f"Bearer {api_key}"}) as r:
+        async with session.post(f"{url}/v1/completions", json=body, headers=sent_headers) as r:
             if r.status != 200:
                 error = f"HTTP {r.status}: {(await r.text())[:200]}"
             else:
@@ -145,10 +148,15 @@ async def _one(session, url: str, model: str, spec, t0: float, api_key: str) -> 
 
 async def open_loop_endpoint(url: str, specs: Sequence, model: str | None = None, api_key: str = "EMPTY",
                              progress: Callable[[int], None] | None = None,
+                             render: Callable[[object], dict] | None = None,
+                             headers: Callable[[object], dict] | None = None,
                              ) -> tuple[list[EndpointRecord], str, dict, dict]:
     """Send ``specs`` (:class:`~minibatch_engine.harness.workload.RequestSpec`) at their
     arrival times. Returns (records in order, the model asked for, the server's
-    counters before, and after)."""
+    counters before, and after). ``render(spec)``, if given, returns fields that
+    replace or join the request body's (a text ``prompt``), and ``headers(spec)``
+    HTTP headers to add (a session id), for routers that key on text or on a
+    session."""
     aiohttp = _aiohttp()
     url = _base(url)
     limits = aiohttp.TCPConnector(limit=0)          # an open loop: no cap on connections
@@ -162,7 +170,7 @@ async def open_loop_endpoint(url: str, specs: Sequence, model: str | None = None
         t0 = time.perf_counter()
 
         async def tracked(spec):
-            rec = await _one(session, url, name, spec, t0, api_key)
+            rec = await _one(session, url, name, spec, t0, api_key, render, headers)
             if progress is not None:
                 progress(1)
             return rec

@@ -25,8 +25,9 @@ LAYERS = [
     {"config", "core.trace", "core.engine_stats", "harness.metrics", "harness.profiling", "harness.workload",
      "harness.request_traces", "harness.machine_limit", "harness.utilization"},
     {"core.engine"},
-    {"llm", "entrypoints.async_llm", "harness.bench", "harness.sweep", "harness.vs_transformers", "harness.vs_openvino", "book", "cluster"},
-    {"entrypoints.server", "harness.endpoint_client"},   # HTTP: the OpenAI-compatible server and its load client
+    {"llm", "entrypoints.async_llm", "harness.bench", "harness.sweep", "harness.vs_transformers", "harness.vs_openvino",
+     "book", "cluster"},
+    {"entrypoints.server", "harness.endpoint_client", "harness.router_compare"},   # HTTP: the server, its load client, routers compared
     {"entrypoints.cli", "__main__", ""},
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
