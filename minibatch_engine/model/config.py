@@ -23,9 +23,14 @@ from dataclasses import dataclass, replace
 FAMILIES = ("llama", "gpt2")
 
 
-@dataclass(frozen=True)
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "num_shared_experts",
+              "first_k_dense_layers")
+
+
+@dataclass(frozen=True, repr=False)
 class ModelConfig:
-    """Shape of a decoder-only transformer."""
+    """Shape of a decoder-only transformer (its repr names the expert fields
+    only for a mixture of experts)."""
 
     family: str
     vocab_size: int
@@ -50,6 +55,10 @@ class ModelConfig:
     moe_intermediate_size: int = 0    # one expert's MLP width
     num_shared_experts: int = 0       # experts every token runs through (DeepSeek, Qwen2-MoE)
     first_k_dense_layers: int = 0     # the first layers keep a dense MLP (DeepSeek's first_k_dense_replace)
+
+    def __repr__(self) -> str:
+        shown = [f for f in self.__dataclass_fields__ if self.num_experts or f not in MOE_FIELDS]
+        return f"ModelConfig({', '.join(f'{f}={getattr(self, f)!r}' for f in shown)})"
 
     def __post_init__(self):
         if self.family not in FAMILIES:
