@@ -106,21 +106,21 @@ tests: $(TEST_STAMP) kernels  ## every test, slow ones included, in one session 
 # One pytest per notebook (tools/nbval_each.sh), NBVAL_JOBS at a time: each
 # chapter's name shows as it starts and its time as it ends; every notebook runs
 # even when one fails, a table of their times comes at the end, and the target
-# fails naming the ones that failed. The CPU appendix's timings are compared by
-# no test (its timing cells are nbval-ignore-output), so it runs beside the
-# others like any chapter. NBVAL_FIRST start first, the longest first (as `make
-# nbval`'s table measured them), so that no long notebook starts last and runs
-# on while a core idles.
+# fails naming the ones that failed. NBVAL_ALONE run after the others, one at a
+# time: they time things on the wall clock with threads of their own.
+# NBVAL_FIRST start first, the longest first (as `make nbval`'s table measured
+# them), so that no long notebook starts last and runs on while a core idles.
 NBVAL_JOBS ?= 2
-NBVAL_FIRST := chapters/03_continuous_batching.ipynb book/appendix_cpu_kernels.ipynb \
-               chapters/08_serving_under_load.ipynb chapters/12_many_engines.ipynb \
-               chapters/13_fewer_bytes.ipynb chapters/05_chunked_prefill.ipynb \
-               chapters/09_speculative_decoding.ipynb
-NBVAL_ORDER = $(foreach nb,$(NBVAL_FIRST),$(filter $(nb),$(NOTEBOOKS))) \
-              $(filter-out $(NBVAL_FIRST),$(NOTEBOOKS))
+NBVAL_ALONE := book/appendix_cpu_kernels.ipynb
+NBVAL_FIRST := chapters/03_continuous_batching.ipynb chapters/08_serving_under_load.ipynb \
+               chapters/12_many_engines.ipynb chapters/05_chunked_prefill.ipynb \
+               chapters/13_fewer_bytes.ipynb chapters/09_speculative_decoding.ipynb \
+               chapters/14_big_models.ipynb
+NBVAL_PARALLEL = $(foreach nb,$(NBVAL_FIRST),$(filter $(nb),$(NOTEBOOKS))) \
+                 $(filter-out $(NBVAL_FIRST) $(NBVAL_ALONE),$(NOTEBOOKS))
 nbval: $(TEST_STAMP) $(KERNEL_CFG) kernels  ## re-run every chapter and compare with its stored outputs
 	@sh tools/nbval_each.sh $(NBVAL_JOBS) "$(PY) -m pytest -q -p no:cacheprovider --nbval --nbval-sanitize-with $(SANITIZE)" \
-	  $(NBVAL_ORDER)
+	  $(filter-out $(NBVAL_ALONE),$(NBVAL_PARALLEL)) -- $(filter $(NBVAL_ALONE),$(NOTEBOOKS))
 
 # `make test` runs its parts in turn, each a make target, and ends with a table
 # of their times (up to the part that failed, when one fails). The setup part

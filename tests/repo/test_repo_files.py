@@ -81,7 +81,7 @@ def test_make_nbval_names_each_notebook_and_fails_at_the_end(fake_venv: Path, tm
     (fake_venv / "bin").mkdir()
     (fake_venv / "bin" / "python").symlink_to(fake)          # the kernels part runs it too
     nbs = "x/a.ipynb x/bad.ipynb x/c.ipynb book/appendix_cpu_kernels.ipynb"
-    out = make("-s", f"VENV={fake_venv}", f"PY={fake}", f"NOTEBOOKS={nbs}", "NBVAL_FIRST=", "nbval")
+    out = make("-s", f"VENV={fake_venv}", f"PY={fake}", f"NOTEBOOKS={nbs}", "nbval")
     assert out.returncode != 0
     lines = out.stdout.splitlines()
     for i, nb in enumerate(nbs.split(), 1):
@@ -91,22 +91,27 @@ def test_make_nbval_names_each_notebook_and_fails_at_the_end(fake_venv: Path, tm
     assert sorted(ln.split()[-1] for ln in ran) == sorted(nbs.split())
     assert [ln for ln in ran if ln.startswith("ran ")] == [ran[-1]], "only a failed log is shown whole"
     table = lines[lines.index(next(ln for ln in lines if ln.startswith("nbval: seconds per notebook"))):]
-    assert "(2 at a time)" in table[0]
+    assert "then alone: book/appendix_cpu_kernels.ipynb" in table[0]
     assert sum(ln.strip().endswith(".ipynb") for ln in table) >= 4
+    # the appendix (wall-clock timings) starts after every other notebook has ended
+    alone = lines.index("nbval [4/4] book/appendix_cpu_kernels.ipynb")
+    assert all(lines.index(next(ln for ln in lines if ln.startswith(f"nbval [{i}/4] {nb}: "))) < alone
+               for i, nb in enumerate(nbs.split()[:3], 1))
     assert "its traceback" in lines, "a failed notebook's output is shown"
     assert lines[-1] == "nbval failed: x/bad.ipynb"
 
 
 @needs_make
 def test_make_nbval_starts_the_longest_notebooks_first(fake_venv: Path):
-    """NBVAL_FIRST, in its order, before the others (in NOTEBOOKS' order)."""
+    """NBVAL_FIRST, in its order, before the others (in NOTEBOOKS' order); the
+    ones run alone after the separator."""
     first = ["chapters/03_continuous_batching.ipynb", "chapters/12_many_engines.ipynb"]
     out = make("-n", f"VENV={fake_venv}", f"NBVAL_FIRST={' '.join(first)}",
                f"NOTEBOOKS=x/a.ipynb {first[1]} book/appendix_cpu_kernels.ipynb x/b.ipynb {first[0]}", "nbval")
     assert out.returncode == 0, out.stderr
     line = out.stdout.replace("\\\n", " ").splitlines()[-1]      # the recipe, its lines joined
     notebooks = line.split('" ')[-1].split()
-    assert notebooks == [*first, "x/a.ipynb", "book/appendix_cpu_kernels.ipynb", "x/b.ipynb"]
+    assert notebooks == [*first, "x/a.ipynb", "x/b.ipynb", "--", "book/appendix_cpu_kernels.ipynb"]
 
 
 @needs_make
