@@ -33,10 +33,11 @@ import shutil
 import statistics
 import time
 import warnings
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from .rounds import timed_rounds
 
 SYSTEMS = ("openvino", "engine")
 SIZES = ("tiny", "125m")
@@ -175,13 +176,6 @@ def run_openvino(pipe, prompts, max_tokens, eos_token_id: int | None = None) -> 
     return [list(r.m_generation_ids[0]) for r in pipe.generate(ids, configs)]
 
 
-@dataclass
-class SystemResult:
-    name: str
-    seconds: list[float] = field(default_factory=list)
-    tokens: list[list[int]] | None = None
-
-
 def compare(model="tiny", size: str | None = None, num_requests: int = 64, batch: int = 64, seed: int = 0,
             rounds: int = 3, threads: int = 2, attention_backend: str = "auto", workload: str = "uniform",
             cache_dir: str | Path = DEFAULT_CACHE, log=print) -> dict:
@@ -229,17 +223,7 @@ def compare(model="tiny", size: str | None = None, num_requests: int = 64, batch
     log("warming up both systems (untimed)...")
     warmup(ours)
     run_openvino(pipe, prompts[:2], [4, 4], eos)
-    results = {name: SystemResult(name) for name in SYSTEMS}
-    for r in range(rounds):
-        order = SYSTEMS[r % 2:] + SYSTEMS[:r % 2]          # rotate who goes first
-        for name in order:
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                toks = runs[name]()
-            dt = time.perf_counter() - t0
-            results[name].seconds.append(dt)
-            results[name].tokens = results[name].tokens or toks
-            log(f"round {r + 1}/{rounds}  {name:<10} {dt:7.2f} s  {output_tokens / dt:9,.0f} tok/s")
+    results = timed_rounds({name: runs[name] for name in SYSTEMS}, rounds, output_tokens, log)
     ov_toks, eng_toks = results["openvino"].tokens, results["engine"].tokens
     diffs = [first_difference(a, b) for a, b in zip(eng_toks, ov_toks)]
     per_round = [o / e for o, e in zip(results["openvino"].seconds, results["engine"].seconds)]

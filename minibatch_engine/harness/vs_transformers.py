@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from .rounds import timed_rounds
 
 SYSTEMS = ("hf-static", "hf-continuous", "engine")
 
@@ -45,16 +45,6 @@ def _require_transformers():
     except AttributeError:
         pass
     return transformers
-
-
-@dataclass
-class SystemResult:
-    name: str
-    seconds: list[float] = field(default_factory=list)
-    tokens: list[list[int]] | None = None
-
-    def tok_per_s(self, output_tokens: int) -> float:
-        return output_tokens / statistics.median(self.seconds)
 
 
 def run_hf_static(hf, prompts, max_tokens, batch: int, pad_id: int) -> list[list[int]]:
@@ -146,17 +136,7 @@ def compare(model="tiny", num_requests: int = 64, batch: int = 64, seed: int = 0
     warmup(ours)
     with torch.no_grad():
         hf.generate(input_ids=torch.tensor([prompts[0]]), max_new_tokens=4, do_sample=False, pad_token_id=pad_id)
-    results = {name: SystemResult(name) for name in SYSTEMS}
-    for r in range(rounds):
-        order = SYSTEMS[r % 3:] + SYSTEMS[:r % 3]          # rotate who goes first
-        for name in order:
-            t0 = time.perf_counter()
-            with torch.no_grad():
-                toks = runs[name]()
-            dt = time.perf_counter() - t0
-            results[name].seconds.append(dt)
-            results[name].tokens = results[name].tokens or toks
-            log(f"round {r + 1}/{rounds}  {name:<14} {dt:7.2f} s  {output_tokens / dt:9,.0f} tok/s")
+    results = timed_rounds({name: runs[name] for name in SYSTEMS}, rounds, output_tokens, log)
     # One more engine run, untimed by the rounds, with its attention timed from the
     # inside: where the engine's step time goes (attention, rest of model, engine).
     from .profiling import profile_run

@@ -12,6 +12,8 @@ of an :class:`~minibatch_engine.entrypoints.async_llm.AsyncLLM`.
 * :mod:`.launch`: the foreground server (signals) and :class:`ServerThread`.
 * :mod:`.limits`: header and body deadlines and a bound on open connections
   (``serve`` and ``route`` both).
+* :mod:`.json_flag`: flags that take a JSON object (``--kv-events-config``,
+  ``--kv-transfer-config``), unknown keys refused by name.
 * :mod:`.router_app`: ``minibatch-engine route``, an OpenAI-compatible router in
   front of several servers, with chapter 12's policies.
 

@@ -39,13 +39,13 @@ buffered batch from that number on as ``[b"", seq, payload]``, then
 """
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass, fields
 
 from ...kv.events import AllBlocksCleared, BlockRemoved, BlockStored
+from .json_flag import json_object_flag
 
 U64 = (1 << 64) - 1
 END_OF_REPLAY = (-1).to_bytes(8, "big", signed=True)
@@ -71,18 +71,7 @@ class KVEventsConfig:
     def parse(cls, value) -> "KVEventsConfig":
         """From a JSON object (text or dict); an unknown key or a wrong type is a
         ValueError naming the field."""
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"--kv-events-config is not JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError("--kv-events-config must be a JSON object")
-        known = {f.name: f for f in fields(cls)}
-        unknown = sorted(set(value) - set(known))
-        if unknown:
-            raise ValueError(f"--kv-events-config: unknown field(s) {', '.join(unknown)} "
-                             f"(known: {', '.join(known)})")
+        value = json_object_flag(value, "--kv-events-config", (f.name for f in fields(cls)))
         types = {"enable_kv_cache_events": bool, "buffer_steps": int, "hwm": int, "max_queue_size": int,
                  "endpoint": str, "topic": str, "event_layout": str}
         for name, v in value.items():

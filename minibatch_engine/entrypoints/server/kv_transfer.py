@@ -47,6 +47,7 @@ import torch
 from aiohttp import ClientError, ClientSession, ClientTimeout, web
 
 from ...cluster.kv_transfer import PDConnector
+from .json_flag import json_object_flag
 from .protocol import APIError
 
 CONNECTOR = "MinibatchConnector"
@@ -74,17 +75,7 @@ class KVTransferConfig:
         """From a JSON object (text or dict); an unknown key or a bad value is a
         ValueError naming the field."""
         flag = "--kv-transfer-config"
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{flag} is not JSON: {e}") from None
-        if not isinstance(value, dict):
-            raise ValueError(f"{flag} must be a JSON object")
-        known = [f for f in cls.__dataclass_fields__]
-        unknown = sorted(set(value) - set(known))
-        if unknown:
-            raise ValueError(f"{flag}: unknown field(s) {', '.join(unknown)} (known: {', '.join(known)})")
+        value = json_object_flag(value, flag, cls.__dataclass_fields__)
         for name in ("kv_connector", "kv_role"):
             if name not in value:
                 raise ValueError(f"{flag}: {name} is required")
