@@ -1,8 +1,8 @@
 """Fixtures and helpers shared by the HTTP server's test modules: one tiny
 server per module, the official ``openai`` client on it, and the offline
 ``LLM`` with the same options (the reference a served reply must equal); raw
-HTTP calls, ``/metrics`` read back, a wait until a server is idle, and clients
-that leave their streams midway. A module imports them by name; it skips first
+HTTP calls, ``/metrics`` read back, a wait until a server process answers, a
+wait until a server is idle, and clients that leave their streams midway. A module imports them by name; it skips first
 when the serve extra or ``openai`` is missing."""
 import asyncio
 import json
@@ -45,6 +45,24 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def wait_started(proc, url: str, path: str = "/health", seconds: float = 300, name: str = "serve") -> str:
+    """Poll ``url + path`` until the process ``proc`` answers; returns ``url``.
+    A process that exits first, or one still silent after ``seconds``, fails
+    with its stderr (when piped)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}{path}", timeout=5):
+                return url
+        except OSError:
+            if proc.poll() is not None:
+                err = proc.stderr.read() if proc.stderr is not None else ""
+                raise RuntimeError(f"{name} exited ({proc.returncode}): {err}")
+            time.sleep(0.1)
+    proc.kill()
+    raise RuntimeError(f"{name} did not answer {path} within {seconds:.0f} s")
 
 
 def post(url, body=None, path="/v1/completions", raw: bytes | None = None, timeout: float = 300):

@@ -23,7 +23,7 @@ pytest.importorskip("aiohttp")
 
 from minibatch_engine.entrypoints.server import ServerThread, make_app  # noqa: E402
 
-from .server_fixtures import free_port, post  # noqa: E402
+from .server_fixtures import free_port, post, wait_started  # noqa: E402
 from .test_pd_transfer import proxy  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,17 +43,7 @@ def start_serve(role: str):
     proc = subprocess.Popen([sys.executable, "-m", "minibatch_engine", "serve", "--model", MODEL, "--port", str(port),
                              *FLAGS, "--kv-transfer-config", json.dumps(cfg)],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(1200):
-        try:
-            urllib.request.urlopen(f"{url}/health", timeout=5)
-            return proc, url
-        except OSError:
-            if proc.poll() is not None:
-                raise RuntimeError(f"serve exited: {proc.stderr.read()}")
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("serve did not start")
+    return proc, wait_started(proc, f"http://127.0.0.1:{port}")
 
 
 def stats(url) -> dict:
@@ -106,17 +96,7 @@ def start_router(prefill, decode):
     proc = subprocess.Popen([ROUTER, "--vllm-pd-disaggregation", "--prefill", prefill, "--decode", decode,
                              "--port", str(port), "--prometheus-port", str(free_port()), "--policy", "round_robin"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            urllib.request.urlopen(f"{url}/health", timeout=5)
-            return proc, url
-        except OSError:
-            if proc.poll() is not None:
-                raise RuntimeError("vllm-router exited")
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("vllm-router did not start")
+    return proc, wait_started(proc, f"http://127.0.0.1:{port}", name="vllm-router")
 
 
 def streamed_text(url, body, path):

@@ -23,6 +23,7 @@ from minibatch_engine.entrypoints.server import ServerThread, make_app  # noqa: 
 
 ROOT = Path(__file__).resolve().parents[2]
 from .server_fixtures import IDLE, OPTS, free_port, metrics, post, streams_that_leave, wait_idle  # noqa: E402
+from .server_fixtures import wait_started  # noqa: E402
 from .server_fixtures import client, offline, server  # noqa: E402,F401 (fixtures)
 PROMPTS = ["The cat", "Serving under load", "a"]
 
@@ -186,12 +187,7 @@ def test_sigterm_drains_then_aborts_and_exits_cleanly(tmp_path):
                              "--max-model-len", "1024"], env=env, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        for _ in range(300):
-            try:
-                urllib.request.urlopen(f"{url}/health")
-                break
-            except OSError:
-                time.sleep(0.1)
+        wait_started(proc, url)
 
         async def main():
             async with aiohttp.ClientSession() as session:

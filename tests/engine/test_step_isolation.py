@@ -125,10 +125,9 @@ def _health(url):
 
 
 def test_serve_with_aging_answers_400_to_a_huge_priority_and_goes_on():
-    import socket
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    pytest.importorskip("aiohttp")
+    from .server_fixtures import free_port, wait_started
+    port = free_port()
     env = {**os.environ, "PYTHONPATH": str(ROOT), "MINIBATCH_NO_CPP": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "minibatch_engine", "serve", "--model", "tiny",
                              "--port", str(port), "--device", "cpu", "--attention-backend", "sdpa",
@@ -136,13 +135,7 @@ def test_serve_with_aging_answers_400_to_a_huge_priority_and_goes_on():
                             env=env, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=5)
-                break
-            except OSError:
-                time.sleep(0.2)
+        wait_started(proc, url)
         base = {"prompt": "a", "max_tokens": 3, "ignore_eos": True, "temperature": 0}
         for bad in (10**400, -10**400, 2**31, 1.5, "1"):
             status, body = _post(url, {**base, "priority": bad})

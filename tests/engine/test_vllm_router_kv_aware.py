@@ -13,7 +13,6 @@ import shutil
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -29,7 +28,7 @@ if not Path(ROUTER).is_file():
 
 from minibatch_engine.entrypoints.server import ServerThread, make_app  # noqa: E402
 
-from .server_fixtures import free_port, metrics, post  # noqa: E402
+from .server_fixtures import free_port, metrics, post, wait_started  # noqa: E402
 
 BLOCK = 16
 CONVERSATIONS, TURNS = 3, 4       # an odd number of conversations: round-robin moves each turn to the other replica
@@ -67,17 +66,10 @@ def start_router(servers, policy, events=True, log=None):
     out = open(log, "w") if log is not None else subprocess.DEVNULL
     proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT if log is not None else subprocess.PIPE,
                             text=True)
-    url = f"http://127.0.0.1:{port}"
-    for _ in range(600):
-        try:
-            with urllib.request.urlopen(f"{url}/v1/models", timeout=5):
-                return proc, url
-        except OSError:
-            if proc.poll() is not None:
-                raise RuntimeError(f"vllm-router exited: {Path(log).read_text() if log else proc.stderr.read()}")
-            time.sleep(0.1)
-    proc.kill()
-    raise RuntimeError("vllm-router did not start")
+    try:
+        return proc, wait_started(proc, f"http://127.0.0.1:{port}", "/v1/models", name="vllm-router")
+    except RuntimeError as e:
+        raise RuntimeError(f"{e}{Path(log).read_text() if log else ''}") from None
 
 
 def wait_ingested(log, servers, timeout=60):
