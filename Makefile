@@ -36,7 +36,7 @@ LAB_ROOT := $(shell [ "$$(id -u)" = 0 ] && echo --allow-root)
 LAB_ARGS ?=
 
 .PHONY: help install install-test book build test unit test-slow tests kernels nbval notebooks lab check-lab gpu-check clean
-.PHONY: test-clients
+.PHONY: test-clients tests-and-notebooks nbval-alone
 .PHONY: site-assets check-site site-check-if-browser
 
 help:  ## this list
@@ -103,6 +103,22 @@ test-slow: $(TEST_STAMP) kernels  ## the slow tests: browser, JupyterLab, base-i
 tests: $(TEST_STAMP) kernels  ## every test, slow ones included, in one session (the slow files start first)
 	$(PYTEST_JOBS) tests
 
+# `make test`'s middle part: every test and every notebook but the NBVAL_ALONE
+# ones, in ONE pytest session on UNIT_JOBS workers (nbval collects each notebook
+# as a file of cells), so that neither the tests' last file nor the last notebook
+# leaves a core idle while the other finishes. The slow test files come first
+# (tests/conftest.py), then the long notebooks (NBVAL_FIRST), then the rest. Each
+# notebook's kernel gets one PyTorch thread (OMP_NUM_THREADS), as the workers do.
+tests-and-notebooks: $(TEST_STAMP) $(KERNEL_CFG) kernels
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PYTEST_JOBS) --nbval --nbval-sanitize-with $(SANITIZE) \
+	  $(foreach nb,$(NBVAL_FIRST),$(filter $(nb),$(NOTEBOOKS))) tests \
+	  $(filter-out $(NBVAL_FIRST) $(NBVAL_ALONE),$(NOTEBOOKS))
+
+# `make test`'s notebooks that time things with threads of their own, alone.
+nbval-alone: $(TEST_STAMP) $(KERNEL_CFG) kernels
+	@sh tools/nbval_each.sh 1 "$(PY) -m pytest -q -p no:cacheprovider --nbval --nbval-sanitize-with $(SANITIZE)" \
+	  -- $(filter $(NBVAL_ALONE),$(NOTEBOOKS))
+
 # One pytest per notebook (tools/nbval_each.sh), NBVAL_JOBS at a time: each
 # chapter's name shows as it starts and its time as it ends; every notebook runs
 # even when one fails, a table of their times comes at the end, and the target
@@ -126,9 +142,10 @@ nbval: $(TEST_STAMP) $(KERNEL_CFG) kernels  ## re-run every chapter and compare 
 # of their times (up to the part that failed, when one fails). The setup part
 # compiles the C++ kernels while pip and npm download (-j2): the kernels need
 # only the base install, and a download leaves the cores idle.
-TEST_PARTS := setup=-j2,install-test,site-assets,$(KERNEL_CFG),kernels tests=tests \
-              nbval=nbval build=build site-check=site-check-if-browser,SITE_BUILT=1
-test:  ## setup (with the C++ kernels), unit and slow tests, nbval, the -W build, the browser check; then their times
+TEST_PARTS := setup=-j2,install-test,site-assets,$(KERNEL_CFG),kernels \
+              tests+nbval=tests-and-notebooks appendix=nbval-alone \
+              build=build site-check=site-check-if-browser,SITE_BUILT=1
+test:  ## setup (with the C++ kernels), every test and notebook, the appendix alone, the -W build, the browser check; then their times
 	@status=0; times=""; start=$$(date +%s); \
 	for part in $(TEST_PARTS); do \
 	  t0=$$(date +%s); \
