@@ -109,13 +109,13 @@ tests: $(TEST_STAMP) kernels  ## every test, slow ones included, in one session 
 # leaves a core idle while the other finishes. The slow test files come first
 # (tests/conftest.py), then the long notebooks (NBVAL_FIRST), then the rest. Each
 # notebook's kernel gets one PyTorch thread (OMP_NUM_THREADS), as the workers do.
-tests-and-notebooks: $(TEST_STAMP) $(KERNEL_CFG) kernels
+tests-and-notebooks: $(TEST_STAMP) $(KERNEL_CFG) kernels  ## make test's middle part: every test and every notebook but the appendix, one session
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(PYTEST_JOBS) --nbval --nbval-sanitize-with $(SANITIZE) \
 	  $(foreach nb,$(NBVAL_FIRST),$(filter $(nb),$(NOTEBOOKS))) tests \
 	  $(filter-out $(NBVAL_FIRST) $(NBVAL_ALONE),$(NOTEBOOKS))
 
 # `make test`'s notebooks that time things with threads of their own, alone.
-nbval-alone: $(TEST_STAMP) $(KERNEL_CFG) kernels
+nbval-alone: $(TEST_STAMP) $(KERNEL_CFG) kernels  ## the notebooks that time with threads of their own (the CPU appendix), alone
 	@sh tools/nbval_each.sh 1 "$(PY) -m pytest -q -p no:cacheprovider --nbval --nbval-sanitize-with $(SANITIZE)" \
 	  -- $(filter $(NBVAL_ALONE),$(NOTEBOOKS))
 
