@@ -17,6 +17,9 @@ renders here renders with no network.  A page fails when:
 * a widget view (``application/vnd.jupyter.widget-view+json``) or a
   ``.jupyter-widgets`` element is still empty after the widget manager ran,
   or the page loads the widget manager (``embed-amd.js``) and shows no widget;
+* a progress bar shows: a rendered widget bar (``.widget-hprogress`` or
+  ``progress``) or tqdm's text bar in a cell output, not hidden by the
+  ``hide-progress`` tag;
 * the page logs a JavaScript error (console error or uncaught exception), or
   tries to reach the network at all;
 * code is clipped at a 1280 px window: a code cell's source or output, or a
@@ -74,7 +77,7 @@ async (settleMs) => {
   const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
   const out = {mathjax: null, raw_math: [], untypeset: 0, merror: [],
                images: [], widget_views: 0, widget_problems: [], ids: [],
-               links: [], timeouts: []};
+               links: [], timeouts: [], progress: []};
 
   // --- MathJax: the real MathJax replaces the config object Sphinx sets.
   const mathEls = document.querySelectorAll("span.math, div.math");
@@ -116,6 +119,23 @@ async (settleMs) => {
         && el.textContent.trim() === "") {
       out.widget_problems.push(`empty .jupyter-widgets element (${el.className})`);
     }
+  }
+
+  // Progress bars (tqdm) only say how long a cell once took: a cell tagged
+  // `hide-progress` hides them (book/site/book.css). One still drawn is a
+  // cell that lacks the tag: a widget bar, or tqdm's text bar in an output.
+  const shown = (el) => el.getClientRects().length > 0;
+  const barText = (el) => {
+    const box = el.closest(".widget-hbox, .widget-subarea") || el;
+    return (box.textContent || "").trim().replace(/\s+/g, " ").slice(0, 60);
+  };
+  for (const el of document.querySelectorAll(".widget-hprogress, .widget-vprogress, progress")) {
+    if (shown(el)) out.progress.push(barText(el));
+  }
+  const textBar = /\d+%\|[^|\n]*\|\s*\d+\/\d+|\[\d+:\d\d<\d+:\d\d/;
+  for (const el of document.querySelectorAll(".cell_output pre, .cell_output .output_text")) {
+    const m = (el.textContent || "").match(textBar);
+    if (m && shown(el)) out.progress.push(m[0].slice(0, 60));
   }
 
   // Widget labels are typeset after startup (MathJax.Hub shim in
@@ -406,6 +426,8 @@ async def check_page(browser, site: Path, page_path: Path, shots: Path | None) -
         if not im["ok"]:
             res.problems.append(f"image did not load: {im['raw']}")
     res.problems += probe["widget_problems"]
+    for t in probe["progress"]:
+        res.problems.append(f"a progress bar shows (tag its cell hide-progress): {t!r}")
     res.links, link_problems = check_links(page_path, site, probe["links"], set(probe["ids"]))
     res.problems += link_problems
 

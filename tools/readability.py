@@ -3,7 +3,8 @@
 The measure the book holds itself to (issue 39, DESIGN.md "Writing"): for every
 chapter and notebook page, the mean sentence of its markdown prose is at most 22
 words and at most 10% of its sentences run over 35 words. Code, display maths,
-directive lines, tables and headings are left out; a glued number or an inline
+directive lines, tables and headings are left out (a glossary's definitions are
+prose and count); a glued number or an inline
 code span counts as one word. The same rule as the before-stop hook.
 
     python tools/readability.py                 # every notebook page and book/*.md
@@ -25,6 +26,7 @@ LONG = 35
 
 def prose_of_markdown(text: str) -> str:
     """The sentences of one markdown text, with code, maths, directives and tables removed."""
+    text = re.sub(r"```\{glossary\}\n(.*?)```", r"\1", text, flags=re.S)  # definitions are prose
     text = re.sub(r"```.*?```", "", text, flags=re.S)
     text = re.sub(r"\$\$.*?\$\$", "", text, flags=re.S)
     text = re.sub(r"\{glue:text\}`[^`]*`", "N", text)
@@ -62,7 +64,9 @@ def meets_target(m: dict) -> bool:
 
 
 def default_pages(root: pathlib.Path) -> list[pathlib.Path]:
-    return sorted(root.glob("chapters/*.ipynb")) + sorted(root.glob("book/*.ipynb"))
+    """Every page of the book: the chapters, book/'s notebook pages and book/*.md."""
+    return (sorted(root.glob("chapters/*.ipynb")) + sorted(root.glob("book/*.ipynb"))
+            + sorted(root.glob("book/*.md")))
 
 
 def main(argv=None) -> int:

@@ -770,6 +770,7 @@ def _sweep_report(args, rows, ps, slo, label) -> int:
         from ..book import plotting
         fig = plotting.load_curves({label: rows}, slo_ms=slo, stat=f"p{p}")
         fig.savefig(args.plot, dpi=120, bbox_inches="tight")
+        print(f"plot: {args.plot} (latency and throughput against the offered rate)")
     return 0
 
 

@@ -18,6 +18,15 @@ def test_bench_with_a_simulated_gpu_names_the_priced_model_and_its_outputs(capsy
     assert "\r" not in out + err and out.startswith("workload")      # piped: no progress bar
 
 
+def test_sweep_says_where_its_rows_and_plot_went(capsys, tmp_path):
+    rows_path, plot_path = tmp_path / "s.jsonl", tmp_path / "s.png"
+    assert main(["sweep", "--sim-gpu", "H100-SXM", "--sim-model", "llama-3-8b", "--num-requests", "8",
+                 "--rates", "5,10", "--jsonl", str(rows_path), "--plot", str(plot_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"rows: {rows_path} (" in out and f"plot: {plot_path} (latency and throughput" in out
+    assert rows_path.exists() and plot_path.exists()
+
+
 def test_simulate_says_what_its_rates_and_imbalance_are(capsys):
     assert main(["simulate", "--sim-gpu", "H100-SXM", "--sim-model", "llama-3-8b", "--num-requests", "40",
                  "--arrival-rate", "30"]) == 0

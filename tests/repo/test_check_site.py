@@ -89,3 +89,36 @@ def test_reference_pages_are_checked_on_a_phone_and_in_print(tmp_path: Path):
     assert (verdict(out, "book/glossary.html"), verdict(out, "book/cheat_sheet.html")) == ("ok", "FAIL"), out
     assert "phone (390 px): the page is" in out, out
     assert re.search(r"print: \d+ A4 pages, more than 2", out), out
+
+
+# A tqdm bar as the widget manager draws it (ipywidgets 8: an HBox of an HTML
+# label, a progress widget and an HTML label), inside a cell of a given class.
+BAR_CELL = """<div class="cell {tags}"><div class="cell_output"><div class="output">
+<div class="widget-subarea"><div class="jupyter-widgets widget-container widget-box widget-hbox">
+<div class="jupyter-widgets widget-html"><div class="widget-html-content">T: 100%</div></div>
+<div class="jupyter-widgets widget-hprogress widget-inline-hbox"><div class="progress">
+<div class="progress-bar" style="width: 100%; height: 100%"></div></div></div>
+<div class="jupyter-widgets widget-html"><div class="widget-html-content"> 9/9 [00:06&lt;00:00, 2.17it/s]</div></div>
+</div></div></div></div></div>"""
+
+
+def test_a_progress_bar_left_on_a_page_fails_and_a_hidden_one_passes(tmp_path: Path):
+    """The site's own stylesheet hides a bar in a cell tagged hide-progress;
+    a bar in an untagged cell, widget or tqdm's text, fails the page."""
+    css = f"<style>{(ROOT / 'book' / 'site' / 'book.css').read_text()}</style>"
+
+    def page(title: str, body: str) -> str:
+        return (f'<!DOCTYPE html><html><head><meta charset="utf-8"><title>{title}</title>{css}</head>'
+                f'<body><main><article class="bd-article">{body}</article></main></body></html>')
+    text_bar = ('<div class="cell"><div class="cell_output"><div class="output">'
+                '<pre>sweep: 100%|██████████| 6/6 [00:10&lt;00:00,  2.24s/rate]\nrate 1: ok</pre></div></div></div>')
+    rc, out = check_site(tmp_path, {
+        "index.html": page("hidden", BAR_CELL.format(tags="tag_hide-progress")),
+        "bar.html": page("bar", BAR_CELL.format(tags="")),
+        "text.html": page("text", text_bar),
+    })
+    assert rc == 1, out
+    assert (verdict(out, "index.html"), verdict(out, "bar.html"), verdict(out, "text.html")) == \
+        ("ok", "FAIL", "FAIL"), out
+    assert "a progress bar shows (tag its cell hide-progress): 'T: 100% 9/9 [00:06<00:00, 2.17it/s]'" in out, out
+    assert "a progress bar shows (tag its cell hide-progress): '100%|██████████| 6/6'" in out, out
