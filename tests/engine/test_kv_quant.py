@@ -317,3 +317,28 @@ def test_under_load_a_quantized_cache_holds_more_and_preempts_less():
     assert all(fp8[k] == int8[k] for k in DETERMINISTIC if k != "kv_cache_dtype")
     assert fp8["peak_running"] >= auto["peak_running"] and fp8["preemptions"] <= auto["preemptions"]
     assert auto["output_tokens"] == fp8["output_tokens"] and auto["preemptions"] > 0
+
+
+def test_serve_kv_cache_dtype_reaches_the_served_engine(monkeypatch):
+    """``serve --kv-cache-dtype int8``: /metrics reports the int8 cache, and a greedy
+    completion equals the offline LLM's with the same cache."""
+    pytest.importorskip("aiohttp")
+    pytest.importorskip("prometheus_client")
+    import minibatch_engine.entrypoints.server as server_pkg
+    from minibatch_engine.entrypoints.cli import main
+    from minibatch_engine.entrypoints.server import ServerThread
+    from .server_fixtures import metrics, post
+    apps = []
+    monkeypatch.setattr(server_pkg, "serve", lambda app, **kw: apps.append(app))    # build, don't listen
+    assert main(["serve", "--model", "tiny", "--device", "cpu", "--attention-backend", "sdpa",
+                 "--max-model-len", "256", "--kv-cache-dtype", "int8"]) == 0
+    prompt, n = "The quantized cache", 16
+    with ServerThread(apps[0]) as s:
+        info = next(k for k in metrics(s.url) if k.startswith("minibatch:cache_config_info"))
+        status, body, _ = post(s.url, {"model": "tiny", "prompt": prompt, "max_tokens": n,
+                                       "temperature": 0, "ignore_eos": True})
+    assert 'cache_dtype="int8"' in info
+    assert status == 200
+    offline = LLM("tiny", device="cpu", attention_backend="sdpa", max_model_len=256, kv_cache_dtype="int8")
+    want = offline.generate([prompt], SamplingParams(max_tokens=n, ignore_eos=True), use_tqdm=False)[0]
+    assert body["choices"][0]["text"] == want.outputs[0].text
