@@ -132,8 +132,20 @@ async def _held(server):
     return server.llm.engine.kv_cache.num_used_blocks
 
 
-def test_clients_that_leave_before_the_headers_go_out_give_their_admission_back(caplog):
-    """The issue's repro: a bound of 8, nine streams of n=8 closed before reading a byte."""
+@pytest.mark.parametrize("gone", ["closed", "prepare-raises"])
+def test_clients_that_leave_before_the_headers_go_out_give_their_admission_back(gone, monkeypatch):
+    """The issue's repro: a bound of 8, nine streams of n=8 closed before reading
+    a byte. Whether the handler meets the closed connection when it sends the
+    headers depends on timing; "prepare-raises" makes it certain (every stream's
+    ``resp.prepare()`` fails as it does for a client already gone)."""
+    if gone == "prepare-raises":
+        real = web.StreamResponse.prepare
+
+        async def prepare(self, request):
+            if self.content_type == "text/event-stream":
+                raise ConnectionResetError("Cannot write to closing transport")
+            return await real(self, request)
+        monkeypatch.setattr(web.StreamResponse, "prepare", prepare)
     with ServerThread(make_app("tiny", max_waiting=8, **OPTS)) as s:
         async def run():
             rng = random.Random(0)
