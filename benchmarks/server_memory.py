@@ -9,10 +9,14 @@ stream count and a deadline:
 
 Run it with and without MALLOC_ARENA_MAX=8 in the environment to see what the
 server's arena cap (minibatch_engine/entrypoints/server/memory.py) does; book/how_to_run.md
-has the numbers.
+has the numbers. With --tracemalloc (first argument) the server traces Python's
+allocations and prints, once stopped, the 5 source lines whose holdings grew most
+since it first answered (the server runs slower then: its resident size is not
+comparable).
 """
 import asyncio
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -43,10 +47,26 @@ async def one(session, url, rng):
     except Exception:
         pass
 
-async def main(total, conc, deadline_s):
+TRACED = """import signal, sys, tracemalloc
+tracemalloc.start()
+from minibatch_engine.entrypoints.cli import main
+base, skip = [], [tracemalloc.Filter(False, tracemalloc.__file__)]
+signal.signal(signal.SIGUSR1, lambda *a: base.append(tracemalloc.take_snapshot().filter_traces(skip)))
+try:
+    main(sys.argv[1:])
+finally:
+    diff = tracemalloc.take_snapshot().filter_traces(skip).compare_to(base[0], "lineno")
+    print(f"traced Python allocations grew {sum(d.size_diff for d in diff) / 2**20:.1f} MiB since the first answer")
+    for d in diff[:5]:
+        print(f"{d.size_diff / 2**20:+7.2f} MiB {d.count_diff:+8d} blocks  {d.traceback[0].filename}:{d.traceback[0].lineno}")
+"""
+
+
+async def main(total, conc, deadline_s, traced=False):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "minibatch_engine", "serve", "--model", "tiny-py", "--port", str(port),
-                             "--max-batch", "32"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    head = [sys.executable, "-c", TRACED] if traced else [sys.executable, "-m", "minibatch_engine"]
+    proc = subprocess.Popen(head + ["serve", "--model", "tiny-py", "--port", str(port), "--max-batch", "32"],
+                            stdout=None if traced else subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     t0 = time.time()
     async with aiohttp.ClientSession() as s:
@@ -57,6 +77,8 @@ async def main(total, conc, deadline_s):
             except Exception: pass
             await asyncio.sleep(0.5)
             if time.time() - t0 > 300: raise SystemExit("no server")
+        if traced:
+            proc.send_signal(signal.SIGUSR1)            # the baseline snapshot
         rng = random.Random(0)
         done = 0
         print(f"start rss {rss_mb(proc.pid):.0f} MB", flush=True)
@@ -71,5 +93,7 @@ async def main(total, conc, deadline_s):
     proc.terminate(); proc.wait(30)
 
 if __name__ == "__main__":
-    args = sys.argv[1:] + ["4000", "50", "400"][len(sys.argv[1:]):]
-    asyncio.run(main(int(args[0]), int(args[1]), float(args[2])))
+    traced = sys.argv[1:2] == ["--tracemalloc"]
+    given = sys.argv[1 + traced:]
+    args = given + ["4000", "50", "400"][len(given):]
+    asyncio.run(main(int(args[0]), int(args[1]), float(args[2]), traced))

@@ -97,8 +97,8 @@ class LLM:
 
         ``arrival_times`` (one per prompt, seconds >= 0 in the engine's clock:
         simulated seconds with ``sim_gpu``, else wall seconds since the call)
-        defers requests. ``priority`` (one per prompt, lower runs first) matters
-        for ``policy="priority"``, ``client_id`` (one per prompt: the tenant) for
+        defers requests. ``priority`` (one per prompt, an integer from -2**31 to
+        2**31 - 1, lower runs first) matters for ``policy="priority"``, ``client_id`` (one per prompt: the tenant) for
         ``policy="fair"``. Returns one output per prompt, in the order given. Each call runs
         a fresh engine, whose trace stays available as ``llm.engine.trace``.
         """

@@ -362,7 +362,9 @@ class Engine:
         """Queue a request. ``prompt`` is a list of token ids. ``arrival_time`` (in
         the engine's clock, :meth:`now`) defers it; by default it arrives now. An
         arrival time already past is kept as the request's simulated arrival (a
-        router hands a replica a request that came while its step ran)."""
+        router hands a replica a request that came while its step ran).
+        ``priority``, an integer from -2**31 to 2**31 - 1 (lower runs first;
+        ``check_priority`` refuses others by name), matters for the priority policy."""
         params = SamplingParams() if sampling_params is None else sampling_params
         if not isinstance(params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(params).__name__} "

@@ -170,8 +170,8 @@ class AsyncLLM:
                      kv_transfer: dict | None = None) -> AsyncIterator[StreamOutput]:
         """Submit a request and yield each new token as the engine produces it.
         The request is submitted when iteration starts; leaving early or
-        cancelling the consumer aborts it. ``priority`` (lower runs first)
-        matters for ``policy="priority"``. ``kv_transfer``: handed to the
+        cancelling the consumer aborts it. ``priority`` (an integer from
+        -2**31 to 2**31 - 1, lower runs first) matters for ``policy="priority"``. ``kv_transfer``: handed to the
         ``kv_connector`` before the request enters the engine (P/D
         disaggregation). Every stream of one ``AsyncLLM`` must come from the
         same event loop while its engine loop runs."""

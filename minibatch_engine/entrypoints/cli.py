@@ -498,7 +498,8 @@ def _connection_args(p: argparse.ArgumentParser) -> None:
                         "its headers")
     g.add_argument("--max-connections", type=positive_int, default=1024, metavar="N",
                    help="at N open connections a new one closes the oldest idle (or still sending its "
-                        "headers); if all N are serving requests, the new one gets 503 with Retry-After")
+                        "headers); if all N are serving requests, the new one gets 503 with Retry-After. N is "
+                        "lowered, with a log line, to fit the open-file limit (ulimit -n)")
 
 
 def _limits(args):

@@ -388,16 +388,18 @@ def _rate_line(s: dict) -> str:
 
 def _limit_line(s: dict) -> str:
     """"x% of this CPU's limit": the run's steps at the machine's measured rates,
-    over their wall time, and where the rates came from. A share above 100% is
-    only printed after the limit was re-measured for the run, and says so."""
+    over their wall time, and where the rates came from (the provenance says
+    whether they were re-measured, or raised to a run that beat them). No share
+    above 100% is printed: a summary from before that rule shows 100%, saying so."""
     frac, large = s["machine_limit_fraction"], s.get("machine_large_batch_limit_fraction")
     large = None if large is None or not np.isfinite(large) else large
+    beat = max(frac, large or 0.0) > 1 and not s.get("machine_limit_raised_to_run")
+    frac, large = min(frac, 1.0), (None if large is None else min(large, 1.0))
     line = (f"{frac:.0%} (steps of 32+ rows: {'n/a' if large is None else f'{large:.0%}'}; its matmuls "
             f"{s['machine_matmul_flops_per_s'] / 1e9:,.0f} GFLOP/s, memory {s['machine_memory_bytes_per_s'] / 1e9:,.0f} "
             f"GB/s: {s.get('machine_limit_provenance', 'measured once')})")
-    if max(frac, large or 0.0) > 1:
-        line += ("; above 100% although re-measured just now: this run beat the roofline at the measured "
-                 "rates (say, weights served from the CPU's caches rather than from memory)")
+    if beat:                    # (the provenance says it when run_against_limit raised the limit)
+        line += "; this run beat the measured limit; the limit is taken as at least this run's rate"
     return line
 
 

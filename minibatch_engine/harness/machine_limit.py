@@ -16,9 +16,11 @@ engine then beats is no limit. So each rate is the best of :data:`ROUNDS`
 rounds, stored with the time and the load average it was measured at; a cached
 limit older than the CPU's last change (the last boot, or a change of its
 frequency policy) is measured afresh; and a run that beats its limit has it
-measured again at once, keeping the best rates this CPU has shown. The report
-says where its limit came from, and a share above 100% is printed only after
-that re-measurement, saying so.
+measured again at once, keeping the best rates this CPU has shown. A run that
+beats even the fresh measurement shows the CPU can go at least as fast as the
+run did: its limit is then taken as the run's own rate (both rates scaled up
+until its larger share is exactly 100%), and the report says so. No share is
+ever above 100%, and the report says where its limit came from.
 """
 from __future__ import annotations
 
@@ -54,6 +56,7 @@ class Rates:
     load_average: float | None = None     # the 1-minute load average then
     rounds: int = 1                       # calibration rounds behind the rates
     remeasured: bool = False              # measured again because a run beat the cached limit
+    raised_to_run: bool = False           # raised to the rate of a run that beat even the re-measurement
 
     def provenance(self) -> str:
         """One line: how and when the rates were measured."""
@@ -61,7 +64,9 @@ class Rates:
                 if self.measured_at else "at an unknown time")
         load = f", load average {self.load_average:.1f}" if self.load_average is not None else ""
         again = "; re-measured for this run, which beat the cached limit" if self.remeasured else ""
-        return f"best of {self.rounds} rounds, {when}{load}{again}"
+        beat = ("; this run beat the measured limit; the limit is taken as at least this run's rate"
+                if self.raised_to_run else "")
+        return f"best of {self.rounds} rounds, {when}{load}{again}{beat}"
 
 
 def _shapes(model: ModelConfig) -> list[tuple[int, int]]:
@@ -157,7 +162,7 @@ def machine_rates(model: ModelConfig, dtype: torch.dtype = torch.float32, remeas
                       rates.measured_at, rates.load_average, rates.rounds + old.rounds)
     rates = replace(rates, remeasured=remeasure)
     cached = cached if isinstance(cached, dict) else {}
-    cached[key] = {k: v for k, v in rates.__dict__.items() if k != "remeasured"}
+    cached[key] = {k: v for k, v in rates.__dict__.items() if k not in ("remeasured", "raised_to_run")}
     try:
         CACHE.parent.mkdir(parents=True, exist_ok=True)
         CACHE.write_text(json.dumps(cached, indent=1))
@@ -166,14 +171,28 @@ def machine_rates(model: ModelConfig, dtype: torch.dtype = torch.float32, remeas
     return rates
 
 
+def _beaten_by(lim: dict) -> float:
+    """The larger of a run's two shares (NaN, no large-batch steps, ignored)."""
+    return max((f for f in (lim["limit_fraction"], lim["large_batch_limit_fraction"]) if f == f), default=0.0)
+
+
 def run_against_limit(trace, model: ModelConfig, dtype: torch.dtype = torch.float32) -> dict:
-    """:func:`limit_of_run` at this machine's rates; if the run beats them (a
-    share above 1), the rates are measured again first (see :func:`machine_rates`)."""
+    """:func:`limit_of_run` at this machine's rates, never above a share of 1.
+    If the run beats them, the rates are measured again first (see
+    :func:`machine_rates`); if it beats those too, both rates are scaled up to
+    the run's own (its larger share becomes exactly 1, ``limit_raised_to_run``)."""
     rates = machine_rates(model, dtype)
     lim = limit_of_run(trace, model, rates, dtype)
-    if lim["limit_fraction"] > 1 or lim["large_batch_limit_fraction"] > 1:     # (NaN: no)
+    if _beaten_by(lim) > 1:
         rates = machine_rates(model, dtype, remeasure=True)
         lim = limit_of_run(trace, model, rates, dtype)
+    beat = _beaten_by(lim)
+    if beat > 1:                  # a roofline step scales as 1/rate when both rates scale together
+        rates = replace(rates, flops_per_s=rates.flops_per_s * beat, bytes_per_s=rates.bytes_per_s * beat,
+                        raised_to_run=True)
+        lim = limit_of_run(trace, model, rates, dtype)
+        for k in ("limit_fraction", "large_batch_limit_fraction"):
+            lim[k] = min(lim[k], 1.0)           # (rounding only; NaN stays NaN)
     return lim
 
 
@@ -198,6 +217,7 @@ def limit_of_run(trace, model: ModelConfig, rates: Rates, dtype: torch.dtype = t
     return {"matmul_flops_per_s": rates.flops_per_s, "memory_bytes_per_s": rates.bytes_per_s,
             "limit_measured_at": rates.measured_at, "limit_load_average": rates.load_average,
             "limit_rounds": rates.rounds, "limit_remeasured": rates.remeasured,
+            "limit_raised_to_run": rates.raised_to_run,
             "limit_provenance": rates.provenance(),
             "limit_seconds": limit,
             "limit_fraction": limit / wall if wall > 0 else float("nan"),

@@ -2,6 +2,7 @@
 once and cached, and a run's steps are set against the time they would take at
 those rates."""
 import json
+import re
 import time
 
 import pytest
@@ -68,12 +69,32 @@ def test_a_run_that_beats_a_busy_machines_limit_has_it_measured_again(cache, mon
     assert stored["flops_per_s"] == 1e15                      # the next run starts from the better rates
 
 
-def test_a_share_above_100_percent_is_printed_only_after_a_remeasurement_saying_so(cache, monkeypatch):
-    calls = _fake_calibrations(monkeypatch, 1e6)              # measured again, still far too low
+def test_a_run_that_beats_even_a_fresh_measurement_sets_the_limit_at_100_percent(cache, monkeypatch):
+    """Measured again and still far too low: the limit is raised to the run's
+    own rate (its larger share exactly 100%), and the report says so plainly."""
+    calls = _fake_calibrations(monkeypatch, 1e6)
     summary, _ = run_bench("continuous", "uniform", num_requests=8, max_batch=8, seed=0, progress=False)
-    assert len(calls) == 2 and summary["machine_limit_fraction"] > 1
+    frac, large = summary["machine_limit_fraction"], summary["machine_large_batch_limit_fraction"]
+    assert len(calls) == 2 and summary["machine_limit_remeasured"] and summary["machine_limit_raised_to_run"]
+    assert frac <= 1 and (large != large or large <= 1)
+    assert max(f for f in (frac, large) if f == f) == pytest.approx(1.0)
+    assert summary["machine_matmul_flops_per_s"] > 1e6                  # raised, not the measured rate
     line = next(l for l in format_report(summary).splitlines() if "of this CPU's limit" in l)
-    assert "re-measured for this run" in line and "above 100% although re-measured" in line
+    assert "re-measured for this run" in line and "best of 6 rounds" in line
+    assert "this run beat the measured limit; the limit is taken as at least this run's rate" in line
+    assert all(int(p) <= 100 for p in re.findall(r"(\d+)%", line))         # no share above 100%
+    stored = next(iter(json.loads(cache.read_text()).values()))
+    assert stored["flops_per_s"] == 1e6                      # the cache keeps what was measured
+
+
+def test_an_old_summary_above_100_percent_is_shown_at_100_percent_saying_why():
+    from minibatch_engine.harness.bench import _limit_line
+    s = {"machine_limit_fraction": 1.51, "machine_large_batch_limit_fraction": 0.9,
+         "machine_matmul_flops_per_s": 1e11, "machine_memory_bytes_per_s": 1e10,
+         "machine_limit_provenance": "best of 3 rounds"}
+    line = _limit_line(s)
+    assert line.startswith("100% (steps of 32+ rows: 90%") and "151%" not in line
+    assert "this run beat the measured limit" in line and "re-measured" not in line
 
 
 def test_bench_reports_the_share_of_this_cpus_limit(cache):
@@ -85,7 +106,8 @@ def test_bench_reports_the_share_of_this_cpus_limit(cache):
     assert frac > 0 and large > 0 and summary["machine_limit_seconds"] > 0
     report = format_report(summary)
     assert "of this CPU's limit" in report and "best of" in report
-    if max(frac, large) > 1:
+    assert frac <= 1 and large <= 1
+    if summary["machine_limit_raised_to_run"]:
         assert summary["machine_limit_remeasured"] and "re-measured" in report
 
 

@@ -80,7 +80,9 @@ def test_the_backends_metadata_is_attention_time_not_the_engines(tiny32, monkeyp
     slept = pause * shares.num_steps
     assert shares.metadata_s >= slept
     assert shares.attention * shares.step_s >= slept
-    assert shares.engine * shares.step_s < slept           # the engine's own work is far less
+    # booked in the engine instead, the sleeps would make its share the larger; a busy machine slows
+    # both alike, so this holds however loaded it is (a wall-time bound would not)
+    assert shares.engine < shares.attention
     assert math.isclose(shares.attention + shares.rest_of_model + shares.engine, 1.0)
 
 
@@ -92,7 +94,7 @@ def test_no_step_pays_for_building_the_cpu_kernels(tiny32, monkeypatch):
     built = cpu_kernel.cpu_kernel_or_none()
     if built is None:
         pytest.skip("no C++ kernels here")
-    pause, loads = 0.5, []
+    pause, loads = 2.0, []                  # a tiny model's forward (or all of them) takes far less, even on a busy machine
 
     def slow_load(verbose=False):           # a build, shortened
         loads.append(time.perf_counter())

@@ -132,8 +132,20 @@ async def _held(server):
     return server.llm.engine.kv_cache.num_used_blocks
 
 
-def test_clients_that_leave_before_the_headers_go_out_give_their_admission_back(caplog):
-    """The issue's repro: a bound of 8, nine streams of n=8 closed before reading a byte."""
+@pytest.mark.parametrize("gone", ["closed", "prepare-raises"])
+def test_clients_that_leave_before_the_headers_go_out_give_their_admission_back(gone, monkeypatch):
+    """The issue's repro: a bound of 8, nine streams of n=8 closed before reading
+    a byte. Whether the handler meets the closed connection when it sends the
+    headers depends on timing; "prepare-raises" makes it certain (every stream's
+    ``resp.prepare()`` fails as it does for a client already gone)."""
+    if gone == "prepare-raises":
+        real = web.StreamResponse.prepare
+
+        async def prepare(self, request):
+            if self.content_type == "text/event-stream":
+                raise ConnectionResetError("Cannot write to closing transport")
+            return await real(self, request)
+        monkeypatch.setattr(web.StreamResponse, "prepare", prepare)
     with ServerThread(make_app("tiny", max_waiting=8, **OPTS)) as s:
         async def run():
             rng = random.Random(0)
@@ -287,6 +299,21 @@ def test_slow_clients_meet_the_header_and_body_deadlines_on_serve_and_route():
             assert post(url, {"prompt": "after", "max_tokens": 2})[0] == 200
 
 
+def _in_progress(s) -> int:
+    """Connections the guard of ``s`` counts as open, if all of them are serving a request; else -1."""
+    async def count():
+        open_ = [h for h in s.runner.server.connections if h.transport is not None and not h.transport.is_closing()]
+        return len(open_) if all(getattr(h, "_request_in_progress", False) for h in open_) else -1
+    return s.call(count())
+
+
+def _wait_for(condition, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.02)
+
+
 def test_slow_clients_cannot_starve_a_whole_request_and_busy_connections_get_503():
     from minibatch_engine.entrypoints.server.limits import ConnectionLimits
     limits = ConnectionLimits(header_timeout=60, body_timeout=60, max_connections=4)
@@ -302,13 +329,12 @@ def test_slow_clients_cannot_starve_a_whole_request_and_busy_connections_get_503
         assert closed == 8 and s.guard.evicted >= 9
         for c in slow:
             c.close()
-        time.sleep(0.2)
         busy = []
         for _ in range(4):                          # four requests in progress (waiting for their bodies)
             c = _connect(s.url)
             c.sendall(HALF_BODY)
             busy.append(c)
-        time.sleep(0.3)
+        _wait_for(lambda: _in_progress(s) == 4)     # the guard sees them (and the slow ones gone)
         extra = _connect(s.url)
         extra.sendall(_http("x", {"prompt": "one too many", "max_tokens": 2}))
         extra.settimeout(20)
@@ -317,6 +343,60 @@ def test_slow_clients_cannot_starve_a_whole_request_and_busy_connections_get_503
         assert s.guard.refused == 1
         for c in busy + [extra]:
             c.close()
+
+
+def _low_file_limit():                          # (run in the child before exec: its hard limit too)
+    import resource
+    resource.setrlimit(resource.RLIMIT_NOFILE, (256, 256))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts open files through /proc")
+def test_the_connection_bound_stays_under_the_open_file_limit():
+    """Under ``ulimit -n 256`` the default --max-connections 1024 is lowered
+    (one log line); 300 slow clients then meet evictions, not a failing
+    accept(): a whole request is served at once and the log stays short
+    (before: ~20,000 lines of accept() tracebacks and a request that timed out)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+    from .server_fixtures import free_port, wait_started
+    port = free_port()
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2]), "MINIBATCH_NO_CPP": "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "minibatch_engine", "serve", "--model", "tiny", "--port",
+                             str(port), "--device", "cpu", "--attention-backend", "sdpa"], env=env,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_low_file_limit)
+    url, slow = f"http://127.0.0.1:{port}", []
+    try:
+        wait_started(proc, url)
+        for _ in range(300):                    # more than the 256 files the server may open
+            c = _connect(url)
+            c.sendall(HALF_HEAD)
+            slow.append(c)
+        status, _, _ = post(url, {"prompt": "served", "max_tokens": 2}, timeout=10)
+        assert status == 200
+        assert len(os.listdir(f"/proc/{proc.pid}/fd")) < 256
+    finally:
+        for c in slow:
+            c.close()
+        proc.terminate()
+        err = proc.communicate(timeout=60)[1]
+    assert "--max-connections 1024 lowered to" in err and "ulimit -n" in err, err
+    assert "Traceback" not in err and len(err.splitlines()) < 12, err[:3000]
+
+
+def test_a_failing_accept_logs_one_warning_not_a_traceback_each_time(capsys):
+    import errno
+    from minibatch_engine.entrypoints.server.limits import AcceptBackoff
+    loop = asyncio.new_event_loop()
+    try:
+        backoff = AcceptBackoff(loop)
+        for _ in range(500):                    # asyncio calls the handler once per failed accept()
+            loop.call_exception_handler({"message": AcceptBackoff.MESSAGE,
+                                         "exception": OSError(errno.EMFILE, "Too many open files")})
+    finally:
+        loop.close()
+    err = capsys.readouterr().err
+    assert backoff.failures == 500 and err.count("\n") == 1 and "EMFILE" in err and "Traceback" not in err
 
 
 # --- 10. the CLI -----------------------------------------------------------------------------------

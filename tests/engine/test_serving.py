@@ -172,19 +172,23 @@ def test_cancel_while_waiting_in_prefill_chunks_and_decoding_frees_every_block(t
         decoding = asyncio.create_task(consume(llm, [5, 6, 7], SamplingParams(max_tokens=200, ignore_eos=True),
                                                "decoding"))
         prefilling = asyncio.create_task(consume(llm, long_prompt, SamplingParams(max_tokens=4), "prefilling"))
-        waiting = asyncio.create_task(consume(llm, [9, 9], SamplingParams(max_tokens=4), "waiting"))
+        waiting = asyncio.create_task(consume(llm, [9, 9], SamplingParams(max_tokens=200, ignore_eos=True),
+                                              "waiting"))
 
         async def until(cond):
             while not cond():
                 await asyncio.sleep(0.0005)
 
         req = lambda rid: eng.scheduler.requests.get(rid)  # noqa: E731
-        await until(lambda: req("prefilling") is not None and req("prefilling").num_computed_tokens >= 16)
-        state = {"prefilling": req("prefilling").num_computed_tokens}
+        await until(lambda: req("prefilling") is not None and req("prefilling").num_computed_tokens >= 16
+                    and req("waiting") is not None)
+        # Whether "waiting" is still queued now depends on the engine thread's pace (the keeps may have
+        # finished): the common case is checked when it happens; both end aborted with nothing held.
+        state = {"prefilling": req("prefilling").num_computed_tokens,
+                 "queued": req("waiting").first_scheduled_step is None}
+        waiting.cancel()
         prefilling.cancel()
         await until(lambda: req("decoding") is not None and req("decoding").num_output_tokens >= 3)
-        assert req("waiting") is not None and req("waiting").first_scheduled_step is None   # still queued
-        waiting.cancel()
         decoding.cancel()
         got = await asyncio.gather(*keep)
         await llm.wait_idle()
@@ -201,7 +205,9 @@ def test_cancel_while_waiting_in_prefill_chunks_and_decoding_frees_every_block(t
     assert all(r.finish_reason == "abort" for r in out.values())
     assert 16 <= state["prefilling"] and out["prefilling"].num_output_tokens == 0     # ended mid-prefill
     assert out["prefilling"].num_computed_tokens < 120
-    assert out["waiting"].first_scheduled_step is None and out["waiting"].num_output_tokens == 0
+    if state["queued"]:                          # cancelled before its first step: nothing computed
+        assert out["waiting"].first_scheduled_step is None and out["waiting"].num_output_tokens == 0
+    assert out["waiting"].num_output_tokens < 200
     assert 3 <= out["decoding"].num_output_tokens < 200
     assert [(t, r) for t, _, r in got] == [(t, r) for t, _, r in ref[:2]]      # the others are unaffected
 
@@ -280,8 +286,9 @@ def test_bounded_history_forgets_served_requests_and_old_steps(tiny32):
     assert len(full.scheduler.requests) == 61 and full.trace.num_dropped == 0
     assert eng.scheduler.requests == {}                   # served, cancelled: all forgotten
     assert eng.scheduler.policy._seq == {}                # and the policy let go of them too
-    # (the two runs may take different numbers of steps: arrivals are on the wall clock)
-    assert 8 <= len(eng.trace) <= 9 and eng.trace.num_dropped == eng.scheduler.num_steps - len(eng.trace) > 0
+    # the step count varies (arrivals are on the wall clock), but 60 requests take more than 8 steps, and
+    # a trace of history=8 is cut back to its last 8 steps each time it reaches 9 (Trace.append)
+    assert eng.trace.num_dropped == eng.scheduler.num_steps - len(eng.trace) > 0 and len(eng.trace) == 8
     assert eng.kv_cache.num_used_blocks == 0
     with pytest.raises(ValueError, match="whole trace"):
         timings_from_trace(list(full.scheduler.requests.values()), eng.trace, "wall")

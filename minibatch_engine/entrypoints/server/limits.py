@@ -14,15 +14,24 @@ or idle clients cannot hold the server (nginx's ``client_header_timeout``,
   closes the oldest connection with no request in progress (idle, or still
   sending its headers); if every connection is serving a request, the new one
   gets 503 with ``Retry-After`` and is closed. Slow clients therefore cannot
-  keep out a client that sends its request whole.
+  keep out a client that sends its request whole. The bound also stays below
+  the process's open-file limit (``ulimit -n``): at start the soft limit is
+  raised toward the hard one if needed, and ``max_connections`` is lowered
+  (one log line says so) to what remains after the files already open, a
+  margin for the engine's own and one accept burst (the listen backlog).
+  An ``accept()`` that still fails for want of files waits a second (asyncio
+  retries) and logs one warning, not a traceback per attempt.
 
 Both ``serve`` and ``route`` use them (:func:`start_site`, :func:`run_forever`).
 """
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import os
 import sys
+import time
 from contextlib import suppress
 from dataclasses import dataclass
 
@@ -46,6 +55,68 @@ class ConnectionLimits:
         m = self.max_connections
         if isinstance(m, bool) or not isinstance(m, int) or m < 1:
             raise ValueError(f"max_connections must be an integer >= 1, got {m!r}")
+
+
+FILE_MARGIN = 64            # files kept for the engine's own use (logs, caches, pipes) beyond those open at start
+BACKLOG = 128               # the listen backlog: asyncio accepts up to this many connections in one tick
+
+
+def _open_files() -> int:
+    for d in ("/proc/self/fd", "/dev/fd"):
+        with suppress(OSError):
+            return len(os.listdir(d))
+    return 0
+
+
+def file_bounded(max_connections: int) -> tuple[int, str | None]:
+    """``max_connections`` bounded by this process's open-file limit (the
+    module doc), raising the soft limit toward the hard one first; the bound
+    and, when it lowered the flag's value, the log line that says so."""
+    try:
+        import resource
+    except ImportError:                      # (Windows: no RLIMIT_NOFILE)
+        return max_connections, None
+    reserve = _open_files() + FILE_MARGIN + BACKLOG
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    need = max_connections + reserve
+    if soft != resource.RLIM_INFINITY and soft < need:
+        want = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        with suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return max_connections, None
+    bound = max(1, soft - reserve)
+    return bound, (f"--max-connections {max_connections} lowered to {bound}: this process may open {soft} "
+                   f"files (ulimit -n, hard limit {hard}) and keeps {reserve} for its own files and one "
+                   f"accept burst; raise the limit to allow more")
+
+
+class AcceptBackoff:
+    """An event-loop exception handler that turns asyncio's traceback for each
+    failed ``accept()`` (too many open files, no buffers) into one warning a
+    minute; asyncio itself stops accepting for a second after each failure.
+    Other errors go to the handler it replaces. ``failures`` counts them."""
+    MESSAGE = "socket.accept() out of system resource"
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, interval: float = 60.0):
+        self.previous, self.interval, self.failures, self._warned = loop.get_exception_handler(), interval, 0, None
+        loop.set_exception_handler(self)
+
+    def __call__(self, loop, context) -> None:
+        if context.get("message") != self.MESSAGE:
+            if self.previous is not None:
+                return self.previous(loop, context)
+            return loop.default_exception_handler(context)
+        self.failures += 1
+        now = time.monotonic()
+        if self._warned is None or now - self._warned >= self.interval:
+            self._warned = now
+            exc = context.get("exception")
+            why = errno.errorcode.get(getattr(exc, "errno", None), "") or str(exc)
+            print(f"minibatch-engine: warning: accept() failed ({why}: {getattr(exc, 'strerror', exc)}); "
+                  f"new connections wait while asyncio retries each second ({self.failures} failures so far)",
+                  file=sys.stderr, flush=True)
 
 
 async def read_body(request: web.Request, timeout: float) -> bytes:
@@ -101,9 +172,16 @@ class ConnectionGuard:
 
 async def start_site(runner: web.AppRunner, host: str, port: int,
                      limits: ConnectionLimits) -> tuple[web.TCPSite, ConnectionGuard]:
-    """Guard ``runner``'s server (set up by :func:`make_runner`) and listen on ``host:port``."""
-    guard = ConnectionGuard(runner.server, limits.max_connections, limits.header_timeout)
-    site = web.TCPSite(runner, host, port)
+    """Guard ``runner``'s server (set up by :func:`make_runner`) and listen on
+    ``host:port``, the connection bound kept under the open-file limit."""
+    bound, note = file_bounded(limits.max_connections)
+    if note:
+        print(f"minibatch-engine: {note}", file=sys.stderr, flush=True)
+    loop = asyncio.get_running_loop()
+    if not isinstance(loop.get_exception_handler(), AcceptBackoff):
+        AcceptBackoff(loop)
+    guard = ConnectionGuard(runner.server, bound, limits.header_timeout)
+    site = web.TCPSite(runner, host, port, backlog=BACKLOG)
     await site.start()
     return site, guard
 
