@@ -231,7 +231,8 @@ def test_serve_publishes_its_steps_and_a_reset_prefix_cache_as_all_blocks_cleare
                    kv_events_config={"enable_kv_cache_events": True, "endpoint": f"tcp://*:{pub}",
                                      "replay_endpoint": f"tcp://*:{replay_port}"})
     with ServerThread(app) as s:
-        status, body, _ = post(s.url, {"prompt": list(range(1, 12)), "max_tokens": 2})
+        status, body, _ = post(s.url, {"prompt": list(range(1, 12)), "max_tokens": 2, "ignore_eos": True,
+                                         "temperature": 0})   # a drawn EOS would end it one token early
         assert status == 200, body
         assert post(s.url, {}, path="/reset_prefix_cache")[:2] == (200, {"reset": True})
         batches = [msgpack.unpackb(p) for _, p in replay(f"tcp://127.0.0.1:{replay_port}")]
