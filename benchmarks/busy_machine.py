@@ -1,21 +1,26 @@
 """The engine on a quiet machine and on a busy one, side by side.
 
-    python benchmarks/busy_machine.py [--rounds 3] [--out benchmarks/busy_machine]
+    python benchmarks/busy_machine.py [--rounds 3] [--busy 2] [--threads 2] [--out benchmarks/busy_machine]
 
-One process runs rounds that alternate a quiet machine and a loaded one (one
-other process spinning on a core, as a browser tab or a second notebook
-would), and in each it times, on the same weights and workload (the tiny Llama
-shape, 64 requests of the ``uniform`` workload, at most 64 running):
+One process runs rounds that alternate a quiet machine and a loaded one. In a
+loaded round the load arrives after the engine has started, as it does on a
+shared machine: each system is built on the quiet machine, then ``--busy``
+other processes start spinning (two by default, on this book's two cores),
+and a second later the timed run begins. Each round times, on the same weights
+and workload (the tiny Llama shape, 64 requests of the ``uniform`` workload,
+at most 64 running):
 
-* the engine as configured by default (``cpu_threads="auto"``: the cores that
-  are free when it starts, :mod:`minibatch_engine.runner.cpu_threads`);
-* the engine with PyTorch's default threads, one per core (what it did before
-  ``cpu_threads``);
-* transformers' continuous batching (``generate_batch``), as a user runs it
-  (PyTorch's default threads).
+* the engine given ``--threads`` threads (``cpu_threads=2``), as it runs by
+  default: it re-decides its threads while it runs, taking the cores other
+  processes leave free (:class:`minibatch_engine.runner.cpu_threads.LoadFollower`);
+* the same engine with those threads fixed (``cpu_threads_follow_load=False``,
+  what it did before): its threads wait at every barrier for a core another
+  process holds;
+* transformers' continuous batching (``generate_batch``) at the same threads.
 
-It writes ``<out>.json`` (every timing) and ``<out>.md`` (the table). Needs
-``transformers``. Wall-clock figures: they say what this machine did.
+It writes ``<out>.json`` (every timing, and the threads each run ended on) and
+``<out>.md`` (the table). Needs ``transformers``. Wall-clock figures: they say
+what this machine did.
 """
 from __future__ import annotations
 
@@ -30,14 +35,15 @@ from pathlib import Path
 
 import torch
 
+from minibatch_engine import Engine, SamplingParams
 from minibatch_engine.harness.bench import cpu_name, warmup
-from minibatch_engine.runner.cpu_threads import DEFAULT_NUM_THREADS
 from minibatch_engine.model.hf_export import save_hf_checkpoint
 from minibatch_engine.model.registry import resolve_model
-from minibatch_engine.harness.vs_transformers import _require_transformers, engine_for, run_hf_continuous
+from minibatch_engine.harness.vs_transformers import _require_transformers, run_hf_continuous
 from minibatch_engine.harness.workload import make_workload
 
-SYSTEMS = ("engine (auto threads)", "engine (one thread per core)", "transformers continuous batching")
+FOLLOWS, FIXED, HF = "engine (follows the load)", "engine (threads fixed)", "transformers continuous batching"
+SYSTEMS = (FOLLOWS, FIXED, HF)
 
 
 def busy_process() -> subprocess.Popen:
@@ -48,6 +54,8 @@ def busy_process() -> subprocess.Popen:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--busy", type=int, default=2, help="busy processes in a loaded round (default 2)")
+    ap.add_argument("--threads", type=int, default=2, help="the threads each system is given (default 2)")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--out", type=Path, default=Path(__file__).with_name("busy_machine"))
     args = ap.parse_args(argv)
@@ -61,62 +69,64 @@ def main(argv=None) -> int:
     output_tokens = sum(max_tokens)
     batch = 64
 
-    def engine(threads):
-        eng, _ = engine_for(ours, prompts, max_tokens, batch, "auto", cpu_threads=threads)
-        chosen = torch.get_num_threads()
-        eng.run()
-        return chosen
+    def engine(follow_load: bool):
+        """Built now (on the quiet machine); returns the timed part."""
+        eng = Engine(ours, max_num_seqs=batch, cpu_threads=args.threads, cpu_threads_follow_load=follow_load)
+        for p, m in zip(prompts, max_tokens):
+            eng.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True))
+        return eng.run
 
     def hf_continuous():
-        torch.set_num_threads(DEFAULT_NUM_THREADS)
-        run_hf_continuous(hf, prompts, max_tokens, batch)
-        return DEFAULT_NUM_THREADS
+        torch.set_num_threads(args.threads)
+        return lambda: run_hf_continuous(hf, prompts, max_tokens, batch)
 
-    runs = {SYSTEMS[0]: lambda: engine("auto"), SYSTEMS[1]: lambda: engine(DEFAULT_NUM_THREADS),
-            SYSTEMS[2]: hf_continuous}
+    builders = {FOLLOWS: lambda: engine(True), FIXED: lambda: engine(False), HF: hf_continuous}
     warmup(ours)
     results = {load: {name: [] for name in SYSTEMS} for load in ("quiet", "loaded")}
     threads = {load: {name: [] for name in SYSTEMS} for load in ("quiet", "loaded")}
     for r in range(args.rounds):
         for load in ("quiet", "loaded"):
-            hog = busy_process() if load == "loaded" else None
-            try:
-                if hog:
-                    time.sleep(1.0)              # let it take its core
-                for name in SYSTEMS:
+            for name in SYSTEMS:
+                timed = builders[name]()
+                hogs = [busy_process() for _ in range(args.busy if load == "loaded" else 0)]
+                try:
+                    if hogs:
+                        time.sleep(1.0)              # the load arrives after the start
                     t0 = time.perf_counter()
                     with torch.no_grad():
-                        n = runs[name]()
+                        timed()
                     dt = time.perf_counter() - t0
-                    results[load][name].append(output_tokens / dt)
-                    threads[load][name].append(n)
-                    print(f"round {r + 1}/{args.rounds} {load:6s} {name:34s} {n} threads "
-                          f"{output_tokens / dt:8,.0f} tok/s", flush=True)
-            finally:
-                if hog:
-                    hog.kill()
-                    hog.wait()
+                finally:
+                    for h in hogs:
+                        h.kill()
+                        h.wait()
+                n = torch.get_num_threads()          # what the run ended on
+                results[load][name].append(output_tokens / dt)
+                threads[load][name].append(n)
+                print(f"round {r + 1}/{args.rounds} {load:6s} {name:34s} ended on {n} threads "
+                      f"{output_tokens / dt:8,.0f} tok/s", flush=True)
     best = {load: {name: max(v) for name, v in d.items()} for load, d in results.items()}
     summary = {
         "cpu": f"{cpu_name()} ({os.cpu_count()} CPUs)", "torch": torch.__version__,
         "transformers": transformers.__version__, "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
         "workload": "uniform", "num_requests": args.num_requests, "batch": batch, "output_tokens": output_tokens,
-        "rounds": args.rounds, "load": "one other process spinning on one core",
+        "rounds": args.rounds, "threads_given": args.threads, "busy_processes": args.busy,
+        "load": f"{args.busy} other processes spinning, started after each system was built",
         "tokens_per_second": results, "threads": threads, "best_tokens_per_second": best,
         "loaded_over_quiet": {name: best["loaded"][name] / best["quiet"][name] for name in SYSTEMS},
-        "engine_over_transformers": {load: best[load][SYSTEMS[0]] / best[load][SYSTEMS[2]]
+        "engine_over_transformers": {load: best[load][FOLLOWS] / best[load][HF]
                                      for load in ("quiet", "loaded")},
     }
     args.out.with_suffix(".json").write_text(json.dumps(summary, indent=1) + "\n")
     lines = [f"# The engine on a quiet and a busy machine ({summary['cpu']}, {summary['date_utc']} UTC)", "",
              f"`python benchmarks/busy_machine.py`: {args.num_requests} `uniform` requests, at most {batch} "
-             f"running, tiny Llama shape; loaded: {summary['load']}. Best of {args.rounds} rounds, "
-             "output tokens/s (wall clock).", "",
+             f"running, tiny Llama shape, {args.threads} threads given; loaded: {summary['load']}. "
+             f"Best of {args.rounds} rounds, output tokens/s (wall clock).", "",
              "| system | quiet | loaded | loaded / quiet |", "|---|---|---|---|"]
     for name in SYSTEMS:
         lines.append(f"| {name} | {best['quiet'][name]:,.0f} | {best['loaded'][name]:,.0f} | "
                      f"{summary['loaded_over_quiet'][name]:.2f} |")
-    lines += ["", "Engine (auto threads) over transformers' continuous batching: "
+    lines += ["", "Engine (follows the load) over transformers' continuous batching: "
               f"{summary['engine_over_transformers']['quiet']:.1f}x quiet, "
               f"{summary['engine_over_transformers']['loaded']:.1f}x loaded."]
     args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")

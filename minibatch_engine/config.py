@@ -95,8 +95,13 @@ class EngineConfig:
         kernels share): ``"auto"`` (default) takes the cores that are free when
         the engine starts, measured from ``/proc/stat``, so a busy machine does not
         leave threads spinning at barriers for cores another process holds
-        (:mod:`minibatch_engine.runner.cpu_threads`); a number sets it. It sets
-        ``torch.set_num_threads`` for the whole process.
+        (:mod:`minibatch_engine.runner.cpu_threads`); a number N takes N, or the
+        free cores if fewer. It sets ``torch.set_num_threads`` for the whole process.
+    cpu_threads_follow_load: re-decide the threads while the engine runs (default
+        True): twice a second it reads ``/proc/stat`` and takes the cores other
+        processes leave free, at most ``cpu_threads``, so load that arrives after
+        the start does not leave threads spinning at barriers. False: the number
+        given is kept as it is, whatever the load (to time kernels at a fixed count).
     sim_gpu, sim_model: with a GPU name, every step is also timed by the
         simulator's cost model of ``sim_model`` (a preset name, or the engine's
         own model): each operator as measured on real GPUs, in the order the
@@ -149,6 +154,7 @@ class EngineConfig:
     speculative: SpeculativeConfig | None = None
     cuda_graphs: bool = True
     cpu_threads: int | str = "auto"
+    cpu_threads_follow_load: bool = True
     sim_gpu: str | None = None
     sim_model: str | ModelConfig | None = None
     step_overhead_s: float = 1e-3

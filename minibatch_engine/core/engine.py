@@ -281,6 +281,7 @@ class Engine:
                            cfg.kv_cache_dtype) if swap else None)
         return ModelRunner(model, pool, host_pool=host, attention_backend=cfg.attention_backend,
                            cuda_graphs=cfg.cuda_graphs, cpu_threads=cfg.cpu_threads,
+                           cpu_threads_follow_load=cfg.cpu_threads_follow_load,
                            max_num_seqs=cfg.max_num_seqs,
                            max_model_len=cfg.max_model_len, proposer=proposer)
 

@@ -81,7 +81,10 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                    help="quantize the model's projections through torchao: int8 (int8 weights and "
                         "activations) or int8_weight_only (default: none, the --dtype weights)")
     p.add_argument("--cpu-threads", type=_cpu_threads, default="auto",
-                   help="on a CPU: PyTorch's threads; auto (default): the cores other processes leave free")
+                   help="on a CPU: PyTorch's threads; auto (default): the cores other processes leave free; "
+                        "a number N: N, or fewer while other processes hold cores (re-decided twice a second)")
+    p.add_argument("--cpu-threads-fixed", action="store_true",
+                   help="keep --cpu-threads as given, whatever other processes do (to time kernels)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -633,7 +636,7 @@ def _generate(args) -> int:
     llm = LLM(args.model, device=args.device, dtype=args.dtype, quantization=args.quantization,
               scheduler=args.scheduler,
               max_num_seqs=max(1, len(args.prompts)), attention_backend=args.attention_backend,
-              cpu_threads=args.cpu_threads)
+              cpu_threads=args.cpu_threads, cpu_threads_follow_load=not args.cpu_threads_fixed)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     if args.model == "tiny":
@@ -659,7 +662,8 @@ def _engine_options(args) -> dict:
                 max_num_batched_tokens="auto" if args.max_num_batched_tokens is None else args.max_num_batched_tokens,
                 enable_chunked_prefill=not args.no_chunked_prefill,
                 preemption_mode=args.preemption, swap_space_bytes=args.swap_space,
-                policy=args.policy, priority_aging_s=args.priority_aging_s)
+                policy=args.policy, priority_aging_s=args.priority_aging_s,
+                cpu_threads_follow_load=not getattr(args, "cpu_threads_fixed", False))
 
 
 def _spec_option(args) -> dict:

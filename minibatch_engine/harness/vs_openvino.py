@@ -263,8 +263,10 @@ def format_comparison(s: dict) -> str:
                  + (f" (first differences at output positions {sorted(s['first_difference_positions'])[:8]})"
                     if s["first_difference_positions"] else ""))
     load = s.get("load_average_at_end")
-    if load is not None:
-        lines.append(f"  load average at the end: {load:.2f} on {os.cpu_count()} CPUs"
-                     + (" (busy: the ratio is distorted; compare on a quiet machine)"
-                        if load > 0.5 * (os.cpu_count() or 1) else ""))
+    if load is not None:     # the one-minute average counts the run's own threads: take them out
+        others = load - s["threads"]
+        lines.append(f"  load average at the end: {load:.2f} on {os.cpu_count()} CPUs, {s['threads']} of it "
+                     "the benchmark's own threads"
+                     + (" (others were busy: the ratio is distorted; compare on a quiet machine)"
+                        if others > 0.5 * (os.cpu_count() or 1) else ""))
     return "\n".join(lines)

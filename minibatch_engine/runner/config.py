@@ -14,9 +14,11 @@ class RunnerConfig:
     attention_backend: str = "auto"
     cuda_graphs: bool = True
     cpu_threads: int | str = "auto"
+    cpu_threads_follow_load: bool = True
 
     def __post_init__(self):
         check_choice("attention_backend", self.attention_backend, BACKENDS)
         check_bool("cuda_graphs", self.cuda_graphs)
+        check_bool("cpu_threads_follow_load", self.cpu_threads_follow_load)
         if self.cpu_threads != "auto":
             check_int("cpu_threads", self.cpu_threads, 1)

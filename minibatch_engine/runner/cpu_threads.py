@@ -14,6 +14,16 @@ process is idle while it does) and :func:`choose_num_threads` takes that many
 threads, never more than PyTorch's default (one per physical core) and never
 fewer than one. Where ``/proc/stat`` does not exist (macOS, Windows) the
 default stands.
+
+Load also arrives after the engine starts. :class:`LoadFollower` re-decides
+during the run: once per step it looks at the clock, and every
+``FOLLOW_INTERVAL_S`` it reads ``/proc/stat`` again (no sleep: the window is
+the time since its last look, the engine's own CPU time taken out) and sets
+the threads the free cores allow, at most the ceiling the engine was given.
+On a quiet machine it changes nothing. The cost is one file read twice a
+second; the lag is at most one interval, during which a collapse can last.
+Threads do not change the tokens: every kernel splits its work by rows or by
+output columns, never along a sum, so one thread and two give the same bits.
 """
 from __future__ import annotations
 
@@ -25,6 +35,8 @@ import torch
 # PyTorch's own default, read once before anything here changes it
 DEFAULT_NUM_THREADS = torch.get_num_threads()
 REUSE_S = 2.0       # engines built within this many seconds reuse one measurement
+FOLLOW_INTERVAL_S = 0.5   # how often a running engine looks at the load again
+QUIET_BUSY_CORES = 0.5    # other processes using less than this: a quiet machine
 _last: tuple[float, float | None] | None = None
 
 
@@ -39,16 +51,19 @@ def _cpu_times() -> tuple[int, int] | None:
     return sum(fields) - idle, sum(fields)
 
 
-def free_cores(window_s: float = 0.2) -> float | None:
-    """Cores that other processes left idle over ``window_s`` seconds (None where
-    the system does not say); this process's own CPU time (threads still
-    spinning after its last parallel region) does not count as busy."""
-    first, self0 = _cpu_times(), time.process_time()
-    if first is None:
+def _sample() -> tuple[tuple[int, int] | None, float]:
+    """The CPUs' jiffies and this process's own CPU seconds, now."""
+    return _cpu_times(), time.process_time()
+
+
+def _free_between(first, second) -> float | None:
+    """Cores that other processes left idle between two :func:`_sample` s; this
+    process's own CPU time (threads still spinning after its last parallel
+    region included) does not count as busy."""
+    (c0, self0), (c1, self1) = first, second
+    if c0 is None or c1 is None:
         return None
-    time.sleep(window_s)
-    second, self1 = _cpu_times(), time.process_time()
-    busy, total = second[0] - first[0], second[1] - first[1]
+    busy, total = c1[0] - c0[0], c1[1] - c0[1]
     if total <= 0:
         return None
     cpus = os.cpu_count() or 1
@@ -56,24 +71,69 @@ def free_cores(window_s: float = 0.2) -> float | None:
     return cpus * (1 - max(0.0, busy) / total)
 
 
-def choose_num_threads(free: float | None) -> int:
+def free_cores(window_s: float = 0.2) -> float | None:
+    """Cores that other processes left idle over ``window_s`` seconds (None where
+    the system does not say)."""
+    first = _sample()
+    if first[0] is None:
+        return None
+    time.sleep(window_s)
+    return _free_between(first, _sample())
+
+
+def choose_num_threads(free: float | None, ceiling: int = DEFAULT_NUM_THREADS) -> int:
     """Threads for ``free`` idle cores: the whole free cores (a core more than
-    half idle counts), at least one, at most PyTorch's default."""
-    if free is None:
-        return DEFAULT_NUM_THREADS
-    return max(1, min(DEFAULT_NUM_THREADS, int(free + 0.5)))
+    half idle counts), at least one, at most ``ceiling`` (PyTorch's default
+    unless the engine was given a number). On a quiet machine (other processes
+    busy for less than half a core) the ceiling itself."""
+    if free is None or (os.cpu_count() or 1) - free < QUIET_BUSY_CORES:
+        return ceiling
+    return max(1, min(ceiling, int(free + 0.5)))
 
 
-def set_cpu_threads(setting: int | str = "auto") -> int:
-    """Set PyTorch's intra-op threads: ``"auto"`` (the free cores, measured now,
-    or within the last ``REUSE_S`` seconds) or a number. Returns the number set."""
+def measured_free_cores() -> float | None:
+    """:func:`free_cores` over a tenth of a second, or the measurement of the last
+    ``REUSE_S`` seconds (engines built together measure once)."""
     global _last
-    if setting == "auto":
-        now = time.monotonic()
-        if _last is None or now - _last[0] > REUSE_S:
-            _last = (now, free_cores(0.1))
-        n = choose_num_threads(_last[1])
-    else:
+    now = time.monotonic()
+    if _last is None or now - _last[0] > REUSE_S:
+        _last = (now, free_cores(0.1))
+    return _last[1]
+
+
+def set_cpu_threads(setting: int | str = "auto", follow_load: bool = True) -> int:
+    """Set PyTorch's intra-op threads and return the number set: ``"auto"``, the
+    free cores (at most PyTorch's default); a number N, that many, or the free
+    cores if fewer (``follow_load=False``: exactly N)."""
+    if setting != "auto" and not follow_load:
         n = int(setting)
+    else:
+        ceiling = DEFAULT_NUM_THREADS if setting == "auto" else int(setting)
+        n = choose_num_threads(measured_free_cores(), ceiling)
     torch.set_num_threads(n)
     return n
+
+
+class LoadFollower:
+    """Re-decides the threads while the engine runs, from the load other
+    processes put on the CPUs since the last look (see the module's text).
+
+    ``poll()`` is called once per step; it returns the threads now set."""
+
+    def __init__(self, ceiling: int, interval_s: float = FOLLOW_INTERVAL_S):
+        self.ceiling, self.interval_s = ceiling, interval_s
+        self.changes = 0                      # how many times it changed the threads
+        self._t, self._mark = time.monotonic(), _sample()
+
+    def poll(self) -> int:
+        now = time.monotonic()
+        if now - self._t < self.interval_s:
+            return torch.get_num_threads()
+        mark = _sample()
+        free = _free_between(self._mark, mark)
+        self._t, self._mark = now, mark
+        n = choose_num_threads(free, self.ceiling)
+        if n != torch.get_num_threads():
+            torch.set_num_threads(n)
+            self.changes += 1
+        return n

@@ -56,7 +56,7 @@ from ..sampling.structured_output import apply_bitmask
 from ..kv.pool import carry_out
 from .base import Runner
 from .input_batch import InputBatch
-from .cpu_threads import set_cpu_threads
+from .cpu_threads import DEFAULT_NUM_THREADS, LoadFollower, set_cpu_threads
 from .prepack import prepack_linear_weights
 
 
@@ -64,7 +64,7 @@ class ModelRunner(Runner):
     def __init__(self, model, kv_pool, host_pool=None, pad_token_id: int | None = None,
                  attention_backend: str = "auto", cuda_graphs: bool = False, max_num_seqs: int = 256,
                  max_model_len: int | None = None, proposer: Proposer | None = None,
-                 cpu_threads: int | str = "auto"):
+                 cpu_threads: int | str = "auto", cpu_threads_follow_load: bool = True):
         self.model, self.kv_pool, self.host_pool = model, kv_pool, host_pool
         self.proposer = proposer
         self.input_batch = InputBatch()                # the persistent batch: each running request's record
@@ -79,9 +79,13 @@ class ModelRunner(Runner):
             from .cuda_graphs import DecodeGraphs
             self.graphs = DecodeGraphs(model, kv_pool, self.attention, max_num_seqs,
                                        max_model_len or model.config.max_position, self.pad_token_id)
+        self.load_follower = None      # re-decides the CPU threads as other processes come and go
         if self.device.type == "cpu":
-            set_cpu_threads(cpu_threads)    # the free cores (before prepacking times them)
+            set_cpu_threads(cpu_threads, cpu_threads_follow_load)   # before prepacking times them
             prepack_linear_weights(model)
+            if cpu_threads_follow_load:
+                ceiling = DEFAULT_NUM_THREADS if cpu_threads == "auto" else int(cpu_threads)
+                self.load_follower = LoadFollower(ceiling)
         self.generators: dict[str, torch.Generator] = {}   # request id -> its sampling RNG
         self.eos_token_id: int | None = None                # min_tokens holds EOS back (set by the engine)
         # prompt logprobs under chunked prefill: request id -> (position, log-softmax row) of the
@@ -174,6 +178,8 @@ class ModelRunner(Runner):
             for p in sched.preempted:               # its KV is gone: so is the draft's
                 self.proposer.free(p.request_id)
         out = RunnerOutput()
+        if self.load_follower is not None:
+            self.load_follower.poll()
         if sched.block_copies:
             carry_out(sched.block_copies, self.kv_pool, self.host_pool)
         if sched.is_empty:

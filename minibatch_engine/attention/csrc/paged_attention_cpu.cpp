@@ -218,6 +218,7 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
     vp = paged ? v_cache.data_ptr<scalar_t>() : v.data_ptr<scalar_t>();
   }
   const int64_t k_row = paged ? row : k_stride, v_row = paged ? row : v_stride;
+  const int64_t row_bytes = row * static_cast<int64_t>(sizeof(cache_t));   // one token's K (or V), all heads
   const int64_t* sl = seq_lens.data_ptr<int64_t>();
   const int64_t* qs = query_start.data_ptr<int64_t>();
   const int64_t* bt = paged ? block_tables.data_ptr<int64_t>() : nullptr;
@@ -293,14 +294,20 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       for (int64_t start = 0; start < num_keys; start += TILE) {
         const int64_t n = std::min(TILE, num_keys - start);
         std::swap(slot, next_slot);
-        // Find the next tile's slots now and hint its rows (every other row's start):
-        // hardware prefetchers stop at page edges, and a sequence's blocks lie anywhere in the pool.
+        // Find the next tile's slots now and hint every cache line of its rows into L2:
+        // hardware prefetchers stop at page edges, and a sequence's blocks lie anywhere in
+        // the pool. (Hinting each row's first line alone, into L1, read a decode batch's
+        // cache 1.4-1.8x slower from DRAM on this book's machine.)
         const int64_t n_next = std::min(TILE, num_keys - start - n);
         if (n_next > 0) {
           fill_slots(s, start + n, n_next, next_slot.data());
-          for (int64_t j = 0; j < n_next; j += 2) {
-            __builtin_prefetch(kp + next_slot[j] * k_row);
-            __builtin_prefetch(vp + next_slot[j] * v_row);
+          for (int64_t j = 0; j < n_next; ++j) {
+            const char* kr = reinterpret_cast<const char*>(kp + next_slot[j] * k_row);
+            const char* vr = reinterpret_cast<const char*>(vp + next_slot[j] * v_row);
+            for (int64_t b = 0; b < row_bytes; b += 64) {
+              __builtin_prefetch(kr + b, 0, 1);
+              __builtin_prefetch(vr + b, 0, 1);
+            }
           }
         }
         scores(n);   // every head's scores for the tile's keys
