@@ -3,12 +3,12 @@
     python benchmarks/busy_machine.py [--rounds 3] [--busy 2] [--threads 2] [--out benchmarks/busy_machine]
 
 One process runs rounds that alternate a quiet machine and a loaded one. In a
-loaded round the load arrives after the engine has started, as it does on a
-shared machine: each system is built on the quiet machine, then ``--busy``
-other processes start spinning (two by default, on this book's two cores),
-and a second later the timed run begins. Each round times, on the same weights
-and workload (the tiny Llama shape, 64 requests of the ``uniform`` workload,
-at most 64 running):
+loaded round the load arrives mid-run, as it does on a shared machine: each
+system is built on the quiet machine, its timed run starts, and
+``--arrive-after`` seconds later (0.5 by default) ``--busy`` other processes
+start spinning (two by default, on this book's two cores). Each round times,
+on the same weights and workload (the tiny Llama shape, 64 requests of the
+``uniform`` workload, at most 64 running):
 
 * the engine given ``--threads`` threads (``cpu_threads=2``), as it runs by
   default: it re-decides its threads while it runs, taking the cores other
@@ -18,7 +18,8 @@ at most 64 running):
   process holds;
 * transformers' continuous batching (``generate_batch``) at the same threads.
 
-It writes ``<out>.json`` (every timing, and the threads each run ended on) and
+It writes ``<out>.json`` (every timing, the threads each run ended on, the
+load average before each run, and each round's loaded / quiet ratio) and
 ``<out>.md`` (the table). Needs ``transformers``. Wall-clock figures: they say
 what this machine did.
 """
@@ -30,6 +31,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -56,6 +58,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--busy", type=int, default=2, help="busy processes in a loaded round (default 2)")
     ap.add_argument("--threads", type=int, default=2, help="the threads each system is given (default 2)")
+    ap.add_argument("--arrive-after", type=float, default=0.5,
+                    help="seconds into a loaded run when the busy processes start (default 0.5)")
     ap.add_argument("--num-requests", type=int, default=64)
     ap.add_argument("--out", type=Path, default=Path(__file__).with_name("busy_machine"))
     args = ap.parse_args(argv)
@@ -84,19 +88,29 @@ def main(argv=None) -> int:
     warmup(ours)
     results = {load: {name: [] for name in SYSTEMS} for load in ("quiet", "loaded")}
     threads = {load: {name: [] for name in SYSTEMS} for load in ("quiet", "loaded")}
+    load_before = {load: {name: [] for name in SYSTEMS} for load in ("quiet", "loaded")}
     for r in range(args.rounds):
         for load in ("quiet", "loaded"):
             for name in SYSTEMS:
                 timed = builders[name]()
-                hogs = [busy_process() for _ in range(args.busy if load == "loaded" else 0)]
+                load_before[load][name].append(os.getloadavg()[0])
+                hogs: list[subprocess.Popen] = []
+
+                def arrive():                        # the load arrives mid-run
+                    hogs.extend(busy_process() for _ in range(args.busy))
+
+                timer = threading.Timer(args.arrive_after, arrive) if load == "loaded" else None
                 try:
-                    if hogs:
-                        time.sleep(1.0)              # the load arrives after the start
                     t0 = time.perf_counter()
+                    if timer:
+                        timer.start()
                     with torch.no_grad():
                         timed()
                     dt = time.perf_counter() - t0
                 finally:
+                    if timer:
+                        timer.cancel()
+                        timer.join()
                     for h in hogs:
                         h.kill()
                         h.wait()
@@ -111,8 +125,12 @@ def main(argv=None) -> int:
         "transformers": transformers.__version__, "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
         "workload": "uniform", "num_requests": args.num_requests, "batch": batch, "output_tokens": output_tokens,
         "rounds": args.rounds, "threads_given": args.threads, "busy_processes": args.busy,
-        "load": f"{args.busy} other processes spinning, started after each system was built",
-        "tokens_per_second": results, "threads": threads, "best_tokens_per_second": best,
+        "load": f"{args.busy} other processes spinning, started {args.arrive_after} s into each run",
+        "tokens_per_second": results, "threads": threads, "load_average_before": load_before,
+        "best_tokens_per_second": best,
+        "loaded_over_quiet_per_round": {name: [lo / q for lo, q in zip(results["loaded"][name],
+                                                                         results["quiet"][name])]
+                                        for name in SYSTEMS},
         "loaded_over_quiet": {name: best["loaded"][name] / best["quiet"][name] for name in SYSTEMS},
         "engine_over_transformers": {load: best[load][FOLLOWS] / best[load][HF]
                                      for load in ("quiet", "loaded")},
@@ -122,10 +140,11 @@ def main(argv=None) -> int:
              f"`python benchmarks/busy_machine.py`: {args.num_requests} `uniform` requests, at most {batch} "
              f"running, tiny Llama shape, {args.threads} threads given; loaded: {summary['load']}. "
              f"Best of {args.rounds} rounds, output tokens/s (wall clock).", "",
-             "| system | quiet | loaded | loaded / quiet |", "|---|---|---|---|"]
+             "| system | quiet | loaded | loaded / quiet | loaded / quiet, each round |", "|---|---|---|---|---|"]
     for name in SYSTEMS:
+        each = ", ".join(f"{x:.2f}" for x in summary["loaded_over_quiet_per_round"][name])
         lines.append(f"| {name} | {best['quiet'][name]:,.0f} | {best['loaded'][name]:,.0f} | "
-                     f"{summary['loaded_over_quiet'][name]:.2f} |")
+                     f"{summary['loaded_over_quiet'][name]:.2f} | {each} |")
     lines += ["", "Engine (follows the load) over transformers' continuous batching: "
               f"{summary['engine_over_transformers']['quiet']:.1f}x quiet, "
               f"{summary['engine_over_transformers']['loaded']:.1f}x loaded."]

@@ -98,7 +98,7 @@ class EngineConfig:
         (:mod:`minibatch_engine.runner.cpu_threads`); a number N takes N, or the
         free cores if fewer. It sets ``torch.set_num_threads`` for the whole process.
     cpu_threads_follow_load: re-decide the threads while the engine runs (default
-        True): twice a second it reads ``/proc/stat`` and takes the cores other
+        True): four times a second it reads ``/proc/stat`` and takes the cores other
         processes leave free, at most ``cpu_threads``, so load that arrives after
         the start does not leave threads spinning at barriers. False: the number
         given is kept as it is, whatever the load (to time kernels at a fixed count).

@@ -82,7 +82,7 @@ def _model_args(p: argparse.ArgumentParser) -> None:
                         "activations) or int8_weight_only (default: none, the --dtype weights)")
     p.add_argument("--cpu-threads", type=_cpu_threads, default="auto",
                    help="on a CPU: PyTorch's threads; auto (default): the cores other processes leave free; "
-                        "a number N: N, or fewer while other processes hold cores (re-decided twice a second)")
+                        "a number N: N, or fewer while other processes hold cores (re-decided four times a second)")
     p.add_argument("--cpu-threads-fixed", action="store_true",
                    help="keep --cpu-threads as given, whatever other processes do (to time kernels)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -27,18 +27,24 @@ class SystemResult:
 
 
 def timed_rounds(runs: dict[str, Callable[[], list[list[int]]]], rounds: int, output_tokens: int,
-                 log=print) -> dict[str, SystemResult]:
+                 log=print, prepare: dict[str, Callable[[], Callable[[], list[list[int]]]]] | None = None,
+                 ) -> dict[str, SystemResult]:
     """Run each of ``runs`` (name -> a call returning every request's tokens)
-    ``rounds`` times, rotating the order each round; log a line per run."""
+    ``rounds`` times, rotating the order each round; log a line per run.
+    ``prepare`` (name -> a call returning the run) builds a system's run
+    before its timer starts, as a user's server is built before it serves:
+    for those names ``runs`` is not used."""
+    prepare = prepare or {}
     names = tuple(runs)
     width = max(map(len, names))
     results = {name: SystemResult(name) for name in names}
     for r in range(rounds):
         k = r % len(names)
         for name in names[k:] + names[:k]:
+            run = prepare[name]() if name in prepare else runs[name]
             t0 = time.perf_counter()
             with torch.no_grad():
-                toks = runs[name]()
+                toks = run()
             dt = time.perf_counter() - t0
             results[name].seconds.append(dt)
             results[name].tokens = results[name].tokens or toks

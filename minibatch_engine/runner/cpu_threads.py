@@ -16,14 +16,22 @@ fewer than one. Where ``/proc/stat`` does not exist (macOS, Windows) the
 default stands.
 
 Load also arrives after the engine starts. :class:`LoadFollower` re-decides
-during the run: once per step it looks at the clock, and every
+during the run: between steps it looks at the clock, and at most every
 ``FOLLOW_INTERVAL_S`` it reads ``/proc/stat`` again (no sleep: the window is
 the time since its last look, the engine's own CPU time taken out) and sets
-the threads the free cores allow, at most the ceiling the engine was given.
-On a quiet machine it changes nothing. The cost is one file read twice a
-second; the lag is at most one interval, during which a collapse can last.
-Threads do not change the tokens: every kernel splits its work by rows or by
-output columns, never along a sum, so one thread and two give the same bits.
+the threads the machine's idle CPUs allow, at most the ceiling the engine was
+given. It gives threads up at once (a collapse is costly) and takes them back
+only when two looks in a row agree (so a load near a threshold does not flip
+the count every look). On a quiet machine it changes nothing. The cost is one
+file read at most four times a second; it reacts within about half a second, during
+which a collapse can last. The counts are the whole machine's: CPU affinity
+and cgroup limits are not read.
+
+The tokens do not depend on the thread count. The engine's own kernels split
+their work by rows or output columns, never along a sum; the linear layers are
+oneDNN's and MKL's, whose results at one and two threads were checked equal
+bit for bit on this book's shapes; and a test checks that a run whose threads
+drop mid-way gives a one-thread run's greedy tokens.
 """
 from __future__ import annotations
 
@@ -35,7 +43,7 @@ import torch
 # PyTorch's own default, read once before anything here changes it
 DEFAULT_NUM_THREADS = torch.get_num_threads()
 REUSE_S = 2.0       # engines built within this many seconds reuse one measurement
-FOLLOW_INTERVAL_S = 0.5   # how often a running engine looks at the load again
+FOLLOW_INTERVAL_S = 0.25  # how often a running engine looks at the load again
 QUIET_BUSY_CORES = 0.5    # other processes using less than this: a quiet machine
 _last: tuple[float, float | None] | None = None
 
@@ -44,7 +52,8 @@ def _cpu_times() -> tuple[int, int] | None:
     """(busy, total) jiffies of all CPUs, from the first line of /proc/stat."""
     try:
         with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
+            # user nice system idle iowait irq softirq steal (guest time is inside user and nice)
+            fields = [int(x) for x in f.readline().split()[1:9]]
     except (OSError, ValueError):
         return None
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)      # idle + iowait
@@ -82,7 +91,7 @@ def free_cores(window_s: float = 0.2) -> float | None:
 
 
 def choose_num_threads(free: float | None, ceiling: int = DEFAULT_NUM_THREADS) -> int:
-    """Threads for ``free`` idle cores: the whole free cores (a core more than
+    """Threads for ``free`` idle cores: the whole free cores (a core at least
     half idle counts), at least one, at most ``ceiling`` (PyTorch's default
     unless the engine was given a number). On a quiet machine (other processes
     busy for less than half a core) the ceiling itself."""
@@ -124,16 +133,22 @@ class LoadFollower:
         self.ceiling, self.interval_s = ceiling, interval_s
         self.changes = 0                      # how many times it changed the threads
         self._t, self._mark = time.monotonic(), _sample()
+        self._wants_more = False              # the last look asked for more threads than set
 
     def poll(self) -> int:
         now = time.monotonic()
+        current = torch.get_num_threads()
         if now - self._t < self.interval_s:
-            return torch.get_num_threads()
+            return current
         mark = _sample()
         free = _free_between(self._mark, mark)
         self._t, self._mark = now, mark
         n = choose_num_threads(free, self.ceiling)
-        if n != torch.get_num_threads():
+        if n > current and not self._wants_more:   # more: only when two looks in a row agree
+            self._wants_more = True
+            return current
+        self._wants_more = False
+        if n != current:
             torch.set_num_threads(n)
             self.changes += 1
         return n

@@ -61,7 +61,9 @@ def test_a_number_is_a_ceiling_and_quiet_keeps_it():
 
 
 def test_the_follower_gives_cores_back_and_takes_them_again(monkeypatch, restore_threads):
-    """Samples made up by hand: 2 CPUs, 100 jiffies a second, this process idle."""
+    """Samples made up by hand: 2 CPUs, 100 jiffies a second, this process idle.
+    Threads go down at the first look that finds the cores taken, and come back
+    only when two looks in a row find them free."""
     from minibatch_engine.runner import cpu_threads
     monkeypatch.setattr(cpu_threads.os, "cpu_count", lambda: 2)
     monkeypatch.setattr(cpu_threads.os, "sysconf", lambda name: 100)
@@ -85,7 +87,13 @@ def test_the_follower_gives_cores_back_and_takes_them_again(monkeypatch, restore
     second(1.0)
     assert follower.poll() == 1
     second(0.0)
-    assert follower.poll() == 2 and follower.changes == 2         # it left: both cores again
+    assert follower.poll() == 1                                   # it left: one look is not enough
+    second(1.4)
+    assert follower.poll() == 1                                   # it came back: still one
+    second(0.0)
+    assert follower.poll() == 1
+    second(0.0)
+    assert follower.poll() == 2 and follower.changes == 2         # two quiet looks in a row: both cores
     follower.interval_s = 3600.0
     second(2.0)
     assert follower.poll() == 2                                   # between looks: no file read, no change

@@ -69,3 +69,25 @@ def test_report_fields_agreement_and_ir_cache(two_layer_checkpoint, tmp_path):
     before = xml.stat().st_mtime_ns
     ir, exported = export_openvino(two_layer_checkpoint, tmp_path, log=lambda *a: None)
     assert not exported and str(ir) == s["ir"] and xml.stat().st_mtime_ns == before
+
+
+def test_a_prepared_system_is_built_before_its_timer_starts(monkeypatch):
+    """The engine's build (KV cache, thread count) stays out of its timed run,
+    as OpenVINO's pipeline, built once, does."""
+    from minibatch_engine.harness import rounds
+    events = []
+    clock = iter(range(100))
+
+    def perf_counter():
+        events.append("clock")
+        return float(next(clock))
+
+    monkeypatch.setattr(rounds.time, "perf_counter", perf_counter)
+
+    def prepare():
+        events.append("build")
+        return lambda: events.append("run") or [[1]]
+
+    res = rounds.timed_rounds({"a": None}, 2, 10, log=lambda *_: None, prepare={"a": prepare})
+    assert events == ["build", "clock", "run", "clock"] * 2
+    assert res["a"].seconds == [1.0, 1.0] and res["a"].tokens == [[1]]
