@@ -110,6 +110,12 @@ def measured_free_cores() -> float | None:
     return _last[1]
 
 
+def thread_ceiling(setting: int | str) -> int:
+    """The most threads a ``cpu_threads`` setting allows: PyTorch's default for
+    ``"auto"``, else the number given."""
+    return DEFAULT_NUM_THREADS if setting == "auto" else int(setting)
+
+
 def set_cpu_threads(setting: int | str = "auto", follow_load: bool = True) -> int:
     """Set PyTorch's intra-op threads and return the number set: ``"auto"``, the
     free cores (at most PyTorch's default); a number N, that many, or the free
@@ -117,8 +123,7 @@ def set_cpu_threads(setting: int | str = "auto", follow_load: bool = True) -> in
     if setting != "auto" and not follow_load:
         n = int(setting)
     else:
-        ceiling = DEFAULT_NUM_THREADS if setting == "auto" else int(setting)
-        n = choose_num_threads(measured_free_cores(), ceiling)
+        n = choose_num_threads(measured_free_cores(), thread_ceiling(setting))
     torch.set_num_threads(n)
     return n
 

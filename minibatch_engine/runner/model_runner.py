@@ -56,7 +56,7 @@ from ..sampling.structured_output import apply_bitmask
 from ..kv.pool import carry_out
 from .base import Runner
 from .input_batch import InputBatch
-from .cpu_threads import DEFAULT_NUM_THREADS, LoadFollower, set_cpu_threads
+from .cpu_threads import LoadFollower, set_cpu_threads, thread_ceiling
 from .prepack import prepack_linear_weights
 
 
@@ -83,9 +83,8 @@ class ModelRunner(Runner):
         if self.device.type == "cpu":
             set_cpu_threads(cpu_threads, cpu_threads_follow_load)   # before prepacking times them
             prepack_linear_weights(model)
-            if cpu_threads_follow_load:
-                ceiling = DEFAULT_NUM_THREADS if cpu_threads == "auto" else int(cpu_threads)
-                self.load_follower = LoadFollower(ceiling)
+            if cpu_threads_follow_load and thread_ceiling(cpu_threads) > 1:   # one thread: nothing to follow
+                self.load_follower = LoadFollower(thread_ceiling(cpu_threads))
         self.generators: dict[str, torch.Generator] = {}   # request id -> its sampling RNG
         self.eos_token_id: int | None = None                # min_tokens holds EOS back (set by the engine)
         # prompt logprobs under chunked prefill: request id -> (position, log-softmax row) of the
