@@ -246,6 +246,9 @@ def _workload_tail(p: argparse.ArgumentParser, simulate: bool, sweep: bool) -> N
         p.add_argument("--size", choices=("tiny", "125m"), default=None,
                        help="with --vs-openvino: instead of --model, a seeded random Llama it creates "
                             "(tiny: the built-in 3M model; 125m: hidden 768, 12 layers, 12/4 heads, vocab 32000)")
+        p.add_argument("--also", metavar="SYSTEMS", default="",
+                       help="with --vs-openvino: more CPU engines in the same rounds, comma-separated: "
+                            "transformers, ctranslate2, llama.cpp (each skipped, saying why, when not installed)")
         p.add_argument("--openvino-cache", metavar="DIR", default=None,
                        help="with --vs-openvino: where created checkpoints and exported IR are kept "
                             "(default ~/.cache/minibatch-engine/openvino)")
@@ -525,6 +528,8 @@ def main(argv=None) -> int:
         args = build_parser().parse_args(argv)
     except SystemExit as e:            # --help (0) or a usage error (2, one line printed)
         return e.code
+    # whole progress lines (the comparisons' rounds) read fine in a pipe or a log file; bars do not
+    args.progress_lines = getattr(args, "no_progress", True) is False
     if getattr(args, "no_progress", True) is False and not sys.stderr.isatty():
         args.no_progress = True         # piped: a cleared bar would share the result's first line
     try:
@@ -789,6 +794,8 @@ def _bench(args, simulate: bool) -> int:
         return _vs_openvino(args)
     if not simulate and args.size is not None:
         raise ValueError("--size creates a checkpoint for --vs-openvino: add --vs-openvino, or pass --model")
+    if not simulate and args.also:
+        raise ValueError("--also adds engines to --vs-openvino's rounds: add --vs-openvino")
     if not simulate and args.vs_transformers:
         return _vs_transformers(args)
     summary, engine = run_bench(
@@ -901,7 +908,7 @@ def _vs_transformers(args) -> int:
     try:
         summary = compare(args.model, num_requests=args.num_requests, batch=min(args.max_batch, args.num_requests),
                           seed=args.seed, rounds=args.rounds, threads=args.threads, attention_backend=backend,
-                          workload=args.workload, log=(lambda *a: None) if args.no_progress else
+                          workload=args.workload, log=(lambda *a: None) if not args.progress_lines else
                           (lambda m: print(m, file=sys.stderr)))
     except ImportError as e:
         raise ValueError(str(e)) from None
@@ -921,12 +928,13 @@ def _vs_openvino(args) -> int:
         raise ValueError("--vs-openvino runs on the CPU in float32: drop --device/--dtype/--quantization")
     if args.size is not None and args.model != "tiny":
         raise ValueError("--size creates its own checkpoint: give --size or --model, not both")
+    also = tuple(x.strip() for x in args.also.split(",") if x.strip())
     try:
-        summary = compare(args.model, size=args.size, num_requests=args.num_requests,
+        summary = compare(args.model, size=args.size, num_requests=args.num_requests, also=also,
                           batch=min(args.max_batch, args.num_requests), seed=args.seed, rounds=args.rounds,
                           threads=args.threads, attention_backend=args.attention_backend, workload=args.workload,
                           cache_dir=args.openvino_cache or DEFAULT_CACHE,
-                          log=(lambda *a: None) if args.no_progress else (lambda m: print(m, file=sys.stderr)))
+                          log=(lambda *a: None) if not args.progress_lines else (lambda m: print(m, file=sys.stderr)))
     except ImportError as e:
         raise ValueError(str(e)) from None
     print(format_comparison(summary))

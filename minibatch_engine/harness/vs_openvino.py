@@ -39,6 +39,8 @@ from pathlib import Path
 
 import torch
 
+from .cpu_engines import OTHERS, Unavailable
+from .cpu_engines import start as start_other
 from .rounds import timed_rounds
 
 SYSTEMS = ("openvino", "engine")
@@ -180,10 +182,15 @@ def run_openvino(pipe, prompts, max_tokens, eos_token_id: int | None = None) -> 
 
 def compare(model="tiny", size: str | None = None, num_requests: int = 64, batch: int = 64, seed: int = 0,
             rounds: int = 3, threads: int = 2, attention_backend: str = "auto", workload: str = "uniform",
-            cache_dir: str | Path = DEFAULT_CACHE, log=print) -> dict:
-    """Run OpenVINO GenAI and the engine ``rounds`` times each, alternating who
-    goes first; return a summary dict (see :func:`format_comparison`)."""
+            cache_dir: str | Path = DEFAULT_CACHE, also: tuple[str, ...] = (), log=print) -> dict:
+    """Run OpenVINO GenAI and the engine (and each system of ``also``, from
+    :data:`~.cpu_engines.OTHERS`) ``rounds`` times each, rotating who goes
+    first; return a summary dict (see :func:`format_comparison`). A system of
+    ``also`` that is not installed is skipped, with its reason in ``skipped``."""
     ov_genai = _require_openvino()
+    for name in also:
+        if name not in OTHERS:
+            raise ValueError(f"--also takes {', '.join(OTHERS)}; got {name!r}")
     import json
 
     import openvino as ov
@@ -222,6 +229,16 @@ def compare(model="tiny", size: str | None = None, num_requests: int = 64, batch
     eos = eos[0] if isinstance(eos, list) else eos
     runs = {"openvino": lambda: run_openvino(pipe, prompts, max_tokens, eos),
             "engine": None}
+    others, skipped = {}, {}
+    for name in dict.fromkeys(also):
+        try:
+            others[name] = start_other(name, ckpt, checkpoint_key(ckpt), cache_dir, batch, threads,
+                                       sum(map(len, prompts)) + output_tokens, log)
+        except Unavailable as e:
+            skipped[name] = str(e)
+            log(f"skipping {name}: {e}")
+    for name, other in others.items():
+        runs[name] = (lambda o=other: o.run(prompts, max_tokens))
 
     def engine_run():
         """A fresh engine holding the workload, built before the timer (as the
@@ -229,11 +246,16 @@ def compare(model="tiny", size: str | None = None, num_requests: int = 64, batch
         eng, reqs = engine_for(ours, prompts, max_tokens, batch, attention_backend, threads)
         return lambda: (eng.run(), [list(r.output_token_ids) for r in reqs])[1]
 
-    log("warming up both systems (untimed)...")
+    log(f"warming up {len(runs)} systems (untimed)...")
     warmup(ours)
     run_openvino(pipe, prompts[:2], [4, 4], eos)
-    results = timed_rounds({name: runs[name] for name in SYSTEMS}, rounds, output_tokens, log,
-                           prepare={"engine": engine_run})
+    try:
+        for other in others.values():
+            other.run(prompts[:2], [4, 4])
+        results = timed_rounds(runs, rounds, output_tokens, log, prepare={"engine": engine_run})
+    finally:
+        for other in others.values():
+            other.close()
     ov_toks, eng_toks = results["openvino"].tokens, results["engine"].tokens
     diffs = [first_difference(a, b) for a, b in zip(eng_toks, ov_toks)]
     per_round = [o / e for o, e in zip(results["openvino"].seconds, results["engine"].seconds)]
@@ -254,6 +276,12 @@ def compare(model="tiny", size: str | None = None, num_requests: int = 64, batch
         "engine_vs_openvino_median": statistics.median(per_round),
         "requests_token_equal": token_agreement(eng_toks, ov_toks),
         "first_difference_positions": [d for d in diffs if d is not None],
+        "others": {name: {"version": o.version, "settings": o.settings,
+                          "engine_vs_per_round": [x / e for x, e in zip(results[name].seconds,
+                                                                         results["engine"].seconds)],
+                          "requests_token_equal_engine": token_agreement(eng_toks, results[name].tokens)}
+                   for name, o in others.items()},
+        "skipped": skipped,
     }
 
 
@@ -262,16 +290,25 @@ def format_comparison(s: dict) -> str:
     lines = [f"{Path(s['checkpoint']).name} ({s['parameters'] / 1e6:.1f}M parameters) on the {s['workload']} "
              f"workload: {s['num_requests']} requests, {s['output_tokens']:,} output tokens, greedy, fixed "
              f"lengths; batch {s['batch']}, {s['threads']} threads, fp32 weights and KV, {s['rounds']} "
-             f"alternating round{'s' if s['rounds'] > 1 else ''} (torch {s['torch']}, OpenVINO GenAI {s['openvino_genai']})",
-             f"  {'system':<10}{'median tok/s':>14}   per round"]
+             f"alternating round{'s' if s['rounds'] > 1 else ''} (torch {s['torch']}, "
+             f"OpenVINO GenAI {s['openvino_genai']})"]
+    width = max(10, *(len(name) + 2 for name in s["systems"]))
+    lines.append(f"  {'system':<{width}}{'median tok/s':>14}   per round")
     for name, r in s["systems"].items():
         rounds = ", ".join(f"{t:,.0f}" for t in r["tokens_per_second_per_round"])
-        lines.append(f"  {name:<10}{r['tokens_per_second']:>14,.0f}   {rounds}")
+        lines.append(f"  {name:<{width}}{r['tokens_per_second']:>14,.0f}   {rounds}")
     lines.append(f"  engine / OpenVINO: {ratio:.2f}x (median of the per-round ratios "
                  f"{', '.join(f'{x:.2f}' for x in s['engine_vs_openvino_per_round'])})")
     lines.append(f"  token agreement: {s['requests_token_equal']}/{s['num_requests']} requests identical"
                  + (f" (first differences at output positions {sorted(s['first_difference_positions'])[:8]})"
                     if s["first_difference_positions"] else ""))
+    for name, o in s.get("others", {}).items():
+        r = o["engine_vs_per_round"]
+        lines.append(f"  engine / {name} {o['version']}: {statistics.median(r):.2f}x (per round "
+                     f"{', '.join(f'{x:.2f}' for x in r)}); {o['requests_token_equal_engine']}/{s['num_requests']} "
+                     f"requests token-identical to the engine; {o['settings']}")
+    for name, why in s.get("skipped", {}).items():
+        lines.append(f"  {name}: skipped ({why})")
     load = s.get("load_average_at_end")
     if load is not None:     # the one-minute average counts the run's own threads: take them out
         others = load - s["threads"]

@@ -20,6 +20,7 @@ gives output tokens per second (median over rounds) and the ratios.
 """
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import tempfile
@@ -62,14 +63,22 @@ def run_hf_static(hf, prompts, max_tokens, batch: int, pad_id: int) -> list[list
 
 
 def run_hf_continuous(hf, prompts, max_tokens, batch: int) -> list[list[int]]:
-    """transformers' continuous batching: one request per prompt, its own output length."""
+    """transformers' continuous batching: one request per prompt, its own output length;
+    at most ``batch`` requests a step where the release can cap them (see
+    :func:`hf_caps_batch`). Its paged cache is sized to hold the whole workload
+    (:func:`hf_cache_blocks`), as the other systems' caches are: left to its
+    default, transformers sizes the cache from the machine's free memory and
+    allocates it inside every run (seconds on a CPU, for any workload)."""
     from transformers import GenerationConfig
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
     gen_cfg = GenerationConfig(do_sample=False, eos_token_id=-1, max_new_tokens=max(max_tokens))
-    cb_cfg = ContinuousBatchingConfig(max_requests_per_batch=batch)
+    cap = {"max_requests_per_batch": batch} if hf_caps_batch() else {}
+    cb_cfg = ContinuousBatchingConfig(num_blocks=hf_cache_blocks(prompts, max_tokens), **cap)
     results = {}
-    with hf.continuous_batching_context_manager(generation_config=gen_cfg, continuous_batching_config=cb_cfg,
-                                                block=True, timeout=30, warmup=False) as manager:
+    manager_of = hf.continuous_batching_context_manager
+    no_warmup = {"warmup": False} if "warmup" in inspect.signature(manager_of).parameters else {}  # else none
+    with manager_of(generation_config=gen_cfg, continuous_batching_config=cb_cfg, block=True, timeout=30,
+                    **no_warmup) as manager:
         ids = [manager.add_request(p, max_new_tokens=m) for p, m in zip(prompts, max_tokens)]
         while len(results) < len(ids):
             r = manager.get_result(timeout=5)
@@ -82,6 +91,22 @@ def run_hf_continuous(hf, prompts, max_tokens, batch: int) -> list[list[int]]:
                     raise RuntimeError(f"transformers' continuous batching failed on {r.request_id}: {r.error}")
                 results[r.request_id] = list(r.generated_tokens)
     return [results[i] for i in ids]
+
+
+HF_BLOCK_TOKENS = 256   # transformers' default page size (``page_size``, ``block_size`` before 5.6)
+
+
+def hf_cache_blocks(prompts, max_tokens) -> int:
+    """Pages of transformers' paged cache that hold every request at once."""
+    return sum(-(-(len(p) + m) // HF_BLOCK_TOKENS) for p, m in zip(prompts, max_tokens)) + 1
+
+
+def hf_caps_batch() -> bool:
+    """Whether this transformers release can cap its continuous batch at a number
+    of requests (``max_requests_per_batch``; releases before about 5.6 size the
+    batch by tokens and memory alone)."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+    return "max_requests_per_batch" in inspect.signature(ContinuousBatchingConfig).parameters
 
 
 def engine_for(model, prompts, max_tokens, batch: int, attention_backend: str, cpu_threads: int | str = "auto"):

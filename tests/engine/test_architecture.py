@@ -26,6 +26,7 @@ LAYERS = [
      "harness.request_traces", "harness.machine_limit", "harness.utilization"},
     {"core.engine"},
     {"llm", "entrypoints.async_llm", "harness.bench", "harness.sweep", "harness.vs_transformers", "harness.vs_openvino",
+     "harness.cpu_engines",
      "book", "cluster"},
     {"entrypoints.server", "harness.endpoint_client", "harness.router_compare"},   # HTTP: the server, its load client, routers compared
     {"entrypoints.cli", "__main__", ""},

@@ -65,6 +65,7 @@ def test_report_fields_agreement_and_ir_cache(two_layer_checkpoint, tmp_path):
     # fp32 weights and KV, greedy, fixed lengths: the same tokens on every request
     assert s["requests_token_equal"] == 4, s["first_difference_positions"]
     assert "token agreement: 4/4" in format_comparison(s)
+    assert s["others"] == {} and s["skipped"] == {}
     xml = tmp_path / s["ir"].rsplit("/", 1)[-1] / "openvino_model.xml"
     before = xml.stat().st_mtime_ns
     ir, exported = export_openvino(two_layer_checkpoint, tmp_path, log=lambda *a: None)
@@ -91,3 +92,28 @@ def test_a_prepared_system_is_built_before_its_timer_starts(monkeypatch):
     res = rounds.timed_rounds({"a": None}, 2, 10, log=lambda *_: None, prepare={"a": prepare})
     assert events == ["build", "clock", "run", "clock"] * 2
     assert res["a"].seconds == [1.0, 1.0] and res["a"].tokens == [[1]]
+
+
+@needs_openvino
+def test_also_adds_systems_to_the_rounds_and_skips_missing_ones(two_layer_checkpoint, tmp_path, monkeypatch):
+    """``--also``: another engine joins the same rounds, its ratio and token
+    agreement with the engine reported; one that cannot run is skipped, saying why."""
+    from minibatch_engine.harness import vs_openvino
+    real = vs_openvino.start_other
+
+    def prepare(name, *args, **kwargs):
+        if name == "ctranslate2":
+            raise vs_openvino.Unavailable("not here")
+        return real(name, *args, **kwargs)
+    monkeypatch.setattr(vs_openvino, "start_other", prepare)
+    s = vs_openvino.compare(two_layer_checkpoint, num_requests=4, batch=4, rounds=2, threads=2,
+                            cache_dir=tmp_path, also=("transformers", "ctranslate2"), log=lambda *a: None)
+    assert set(s["systems"]) == {"openvino", "engine", "transformers"}
+    assert len(s["systems"]["transformers"]["seconds"]) == 2
+    hf = s["others"]["transformers"]
+    assert hf["requests_token_equal_engine"] == 4 and len(hf["engine_vs_per_round"]) == 2
+    assert s["skipped"] == {"ctranslate2": "not here"}
+    text = vs_openvino.format_comparison(s)
+    assert "engine / transformers" in text and "ctranslate2: skipped (not here)" in text
+    with pytest.raises(ValueError, match="--also takes"):
+        vs_openvino.compare(two_layer_checkpoint, cache_dir=tmp_path, also=("vllm",))
