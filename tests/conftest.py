@@ -71,3 +71,17 @@ def tiny64():
 @pytest.fixture(scope="session")
 def tiny32():
     return build_model("tiny", device="cpu", dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def two_layer_checkpoint(tmp_path_factory):
+    """A seeded two-layer Llama saved as a Hugging Face checkpoint (the CPU
+    engine comparisons' tests: OpenVINO, CTranslate2, llama.cpp, transformers)."""
+    pytest.importorskip("transformers")
+    from minibatch_engine.model.config import ModelConfig
+    from minibatch_engine.model.hf_export import save_hf_checkpoint
+    cfg = ModelConfig(family="llama", name="two-layer", vocab_size=256, hidden_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=2, intermediate_size=128, max_position=512)
+    path = tmp_path_factory.mktemp("ckpt")
+    save_hf_checkpoint(build_model(cfg, device="cpu", dtype="float32", seed=3), path)
+    return path

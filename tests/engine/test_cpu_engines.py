@@ -15,19 +15,6 @@ from minibatch_engine.harness import cpu_engines
 from minibatch_engine.harness.cpu_engines import OTHERS, Unavailable, prepare
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    pytest.importorskip("transformers")
-    from minibatch_engine.model.config import ModelConfig
-    from minibatch_engine.model.hf_export import save_hf_checkpoint
-    from minibatch_engine.model.transformer import build_model
-    cfg = ModelConfig(family="llama", name="two-layer", vocab_size=256, hidden_size=64, num_layers=2,
-                      num_heads=4, num_kv_heads=2, intermediate_size=128, max_position=512)
-    path = tmp_path_factory.mktemp("ckpt")
-    save_hf_checkpoint(build_model(cfg, device="cpu", dtype="float32", seed=3), path)
-    return path
-
-
 def engine_tokens(checkpoint, prompts, max_tokens):
     from minibatch_engine.harness.vs_transformers import run_engine
     from minibatch_engine.model.registry import resolve_model
@@ -46,54 +33,54 @@ def installed(name: str) -> bool:
 
 
 @pytest.mark.parametrize("name", OTHERS)
-def test_greedy_tokens_equal_the_engines(name, checkpoint, tmp_path):
+def test_greedy_tokens_equal_the_engines(name, two_layer_checkpoint, tmp_path):
     if not installed(name):
         pytest.skip(f"{name} is not installed")
-    other = prepare(name, checkpoint, "k", tmp_path, batch=4, threads=2, log=lambda *a: None)
+    other = prepare(name, two_layer_checkpoint, "k", tmp_path, batch=4, threads=2, log=lambda *a: None)
     try:
         got = other.run(PROMPTS, MAX_TOKENS)
     finally:
         other.close()
     assert [len(t) for t in got] == MAX_TOKENS
-    assert got == engine_tokens(checkpoint, PROMPTS, MAX_TOKENS)
+    assert got == engine_tokens(two_layer_checkpoint, PROMPTS, MAX_TOKENS)
     assert other.version and other.settings
 
 
-def test_a_missing_system_is_unavailable_with_its_install_line(monkeypatch, checkpoint, tmp_path):
+def test_a_missing_system_is_unavailable_with_its_install_line(monkeypatch, two_layer_checkpoint, tmp_path):
     monkeypatch.setitem(sys.modules, "ctranslate2", None)      # import fails
     with pytest.raises(Unavailable, match="pip install ctranslate2"):
-        prepare("ctranslate2", checkpoint, "k", tmp_path, batch=4, threads=2)
+        prepare("ctranslate2", two_layer_checkpoint, "k", tmp_path, batch=4, threads=2)
     monkeypatch.setattr(shutil, "which", lambda *_: None)
     monkeypatch.delenv("LLAMA_SERVER", raising=False)
     with pytest.raises(Unavailable, match="llama-server"):
-        prepare("llama.cpp", checkpoint, "k", tmp_path, batch=4, threads=2)
+        prepare("llama.cpp", two_layer_checkpoint, "k", tmp_path, batch=4, threads=2)
 
 
-def test_unknown_system_is_refused(checkpoint, tmp_path, capsys):
+def test_unknown_system_is_refused(two_layer_checkpoint, tmp_path, capsys):
     with pytest.raises(ValueError, match="--also takes"):
-        prepare("vllm", checkpoint, "k", tmp_path, batch=4, threads=2)
+        prepare("vllm", two_layer_checkpoint, "k", tmp_path, batch=4, threads=2)
     assert main(["bench", "--also", "ctranslate2", "--no-progress"]) == 2
     assert "add --vs-openvino" in capsys.readouterr().err
 
 
-def test_a_system_in_its_own_process_gives_the_same_tokens(checkpoint, tmp_path, monkeypatch):
+def test_a_system_in_its_own_process_gives_the_same_tokens(two_layer_checkpoint, tmp_path, monkeypatch):
     """``start``: the system runs in a spawned process; tokens come back over the
     pipe, a missing system raises Unavailable here, and close ends the process."""
     from minibatch_engine.harness.cpu_engines import start
-    other = start("transformers", checkpoint, "k", tmp_path, batch=4, threads=2, log=lambda *a: None)
+    other = start("transformers", two_layer_checkpoint, "k", tmp_path, batch=4, threads=2, log=lambda *a: None)
     try:
-        assert other.run(PROMPTS, MAX_TOKENS) == engine_tokens(checkpoint, PROMPTS, MAX_TOKENS)
+        assert other.run(PROMPTS, MAX_TOKENS) == engine_tokens(two_layer_checkpoint, PROMPTS, MAX_TOKENS)
     finally:
         other.close()
     monkeypatch.setenv("LLAMA_SERVER", "")
     monkeypatch.setenv("PATH", str(tmp_path))            # no llama-server anywhere
     with pytest.raises(Unavailable, match="llama-server"):
-        start("llama.cpp", checkpoint, "k", tmp_path, batch=4, threads=2)
+        start("llama.cpp", two_layer_checkpoint, "k", tmp_path, batch=4, threads=2)
 
 
-def test_gguf_holds_the_checkpoint_for_llama_cpp(checkpoint, tmp_path):
+def test_gguf_holds_the_checkpoint_for_llama_cpp(two_layer_checkpoint, tmp_path):
     """write_gguf: every weight in f32, query and key rows in llama.cpp's rotary
-    order (undone here, they equal the checkpoint's), the shapes llama.cpp
+    order (undone here, they equal the two_layer_checkpoint's), the shapes llama.cpp
     reads, and a vocabulary with no BOS or EOS (so ignore_eos masks nothing)."""
     gguf = pytest.importorskip("gguf")
     import json
@@ -101,10 +88,10 @@ def test_gguf_holds_the_checkpoint_for_llama_cpp(checkpoint, tmp_path):
     import numpy as np
     from safetensors.torch import load_file
     out = tmp_path / "m.gguf"
-    cpu_engines.write_gguf(checkpoint, out)
-    cfg = json.loads((checkpoint / "config.json").read_text())
+    cpu_engines.write_gguf(two_layer_checkpoint, out)
+    cfg = json.loads((two_layer_checkpoint / "config.json").read_text())
     hf = {}
-    for f in checkpoint.glob("*.safetensors"):
+    for f in two_layer_checkpoint.glob("*.safetensors"):
         hf.update({k: v.numpy() for k, v in load_file(str(f)).items()})
     reader = gguf.GGUFReader(str(out))
     tensors = {t.name: np.asarray(t.data) for t in reader.tensors}

@@ -38,19 +38,6 @@ def test_size_without_vs_openvino_is_refused(capsys):
     assert "--vs-openvino" in capsys.readouterr().err
 
 
-@pytest.fixture(scope="module")
-def two_layer_checkpoint(tmp_path_factory):
-    pytest.importorskip("transformers")
-    from minibatch_engine.model.config import ModelConfig
-    from minibatch_engine.model.hf_export import save_hf_checkpoint
-    from minibatch_engine.model.transformer import build_model
-    cfg = ModelConfig(family="llama", name="two-layer", vocab_size=256, hidden_size=64, num_layers=2,
-                      num_heads=4, num_kv_heads=2, intermediate_size=128, max_position=512)
-    path = tmp_path_factory.mktemp("ckpt")
-    save_hf_checkpoint(build_model(cfg, device="cpu", dtype="float32", seed=3), path)
-    return path
-
-
 @needs_openvino
 def test_report_fields_agreement_and_ir_cache(two_layer_checkpoint, tmp_path):
     from minibatch_engine.harness.vs_openvino import compare, export_openvino, format_comparison
