@@ -29,7 +29,6 @@ import os
 import shutil
 import socket
 import subprocess
-import sys
 import time
 import traceback
 import urllib.request
@@ -74,6 +73,7 @@ def start(name: str, checkpoint: Path, cache_key: str, cache_dir: Path, batch: i
           kv_tokens: int = 65536, log=print) -> OtherEngine:
     """:func:`prepare` in a process of its own (spawned): the returned run sends
     the workload over a pipe and waits for the tokens; ``close`` ends the process.
+    The process's progress lines (a conversion) come back through ``log``.
     Raises :class:`Unavailable` as :func:`prepare` does."""
     if name not in OTHERS:
         raise ValueError(f"--also takes {', '.join(OTHERS)}; got {name!r}")
@@ -107,6 +107,9 @@ def start(name: str, checkpoint: Path, cache_key: str, cache_dir: Path, batch: i
         here.close()
     try:
         kind, payload = here.recv()
+        while kind == "log":
+            log(payload)
+            kind, payload = here.recv()
     except EOFError:
         proc.join(5)
         raise RuntimeError(f"{name}'s process ended before it was ready (exit code {proc.exitcode})") from None
@@ -122,7 +125,7 @@ def start(name: str, checkpoint: Path, cache_key: str, cache_dir: Path, batch: i
 def _worker(conn, name, checkpoint, cache_key, cache_dir, batch, threads, kv_tokens) -> None:
     """The other process of :func:`start`: prepare the system, then run what the pipe asks."""
     torch.set_num_threads(threads)
-    log = lambda m: print(m, file=sys.stderr)   # noqa: E731
+    log = lambda m: conn.send(("log", m))   # noqa: E731  (the parent's log prints it, or not)
     try:
         other = prepare(name, Path(checkpoint), cache_key, Path(cache_dir), batch, threads, kv_tokens, log)
     except Unavailable as e:

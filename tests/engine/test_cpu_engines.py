@@ -67,11 +67,15 @@ def test_a_system_in_its_own_process_gives_the_same_tokens(two_layer_checkpoint,
     """``start``: the system runs in a spawned process; tokens come back over the
     pipe, a missing system raises Unavailable here, and close ends the process."""
     from minibatch_engine.harness.cpu_engines import start
-    other = start("transformers", two_layer_checkpoint, "k", tmp_path, batch=4, threads=2, log=lambda *a: None)
+    lines = []
+    other = start("ctranslate2" if installed("ctranslate2") else "transformers", two_layer_checkpoint, "k",
+                  tmp_path, batch=4, threads=2, log=lines.append)
     try:
         assert other.run(PROMPTS, MAX_TOKENS) == engine_tokens(two_layer_checkpoint, PROMPTS, MAX_TOKENS)
     finally:
         other.close()
+    if other.name == "ctranslate2":          # its conversion's progress line came back through log
+        assert any("converting" in line for line in lines)
     monkeypatch.setenv("LLAMA_SERVER", "")
     monkeypatch.setenv("PATH", str(tmp_path))            # no llama-server anywhere
     with pytest.raises(Unavailable, match="llama-server"):
