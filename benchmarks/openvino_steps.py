@@ -58,15 +58,10 @@ def summarize(steps: list[tuple], prefill_steps: int) -> dict:
 
 
 def openvino_stepwise(pipe, prompts, max_tokens, eos) -> list[tuple[float, int]]:
-    import numpy as np
-    import openvino as ov
-    import openvino_genai as ov_genai
-    handles = []    # a request whose handle is dropped is cancelled: keep them to the end
-    for i, (p, m) in enumerate(zip(prompts, max_tokens)):
-        c = ov_genai.GenerationConfig()
-        c.do_sample, c.ignore_eos, c.max_new_tokens = False, True, m
-        c.set_eos_token_id(0 if eos is None else eos)
-        handles.append(pipe.add_request(i, ov.Tensor(np.array([p], dtype=np.int64)), c))
+    from minibatch_engine.harness.vs_openvino import openvino_requests
+    # a request whose handle is dropped is cancelled: keep them to the end
+    handles = [pipe.add_request(i, ids, config)
+               for i, (ids, config) in enumerate(openvino_requests(prompts, max_tokens, eos))]
     steps = []
     while pipe.has_non_finished_requests():
         t0 = time.perf_counter()

@@ -56,14 +56,20 @@ class OtherEngine:
     close: Callable[[], None] = field(default=lambda: None)
 
 
+def check_names(names) -> None:
+    """A ValueError naming the choices when a name is not one of :data:`OTHERS`."""
+    for name in names:
+        if name not in OTHERS:
+            raise ValueError(f"--also takes {', '.join(OTHERS)}; got {name!r}")
+
+
 def prepare(name: str, checkpoint: Path, cache_key: str, cache_dir: Path, batch: int, threads: int,
             kv_tokens: int = 65536, log=print) -> OtherEngine:
     """The system ``name`` (one of :data:`OTHERS`) ready to run on ``checkpoint``
     with ``batch`` sequences at once on ``threads`` threads; converted files are
     kept in ``cache_dir`` under ``cache_key``. ``kv_tokens``: the KV cache a
     server must hold (every request's prompt and output at once)."""
-    if name not in OTHERS:
-        raise ValueError(f"--also takes {', '.join(OTHERS)}; got {name!r}")
+    check_names([name])
     return {"transformers": _transformers, "ctranslate2": _ctranslate2,
             "llama.cpp": _llama_cpp}[name](Path(checkpoint), cache_key, Path(cache_dir), batch, threads, kv_tokens,
                                             log)
@@ -75,8 +81,7 @@ def start(name: str, checkpoint: Path, cache_key: str, cache_dir: Path, batch: i
     the workload over a pipe and waits for the tokens; ``close`` ends the process.
     The process's progress lines (a conversion) come back through ``log``.
     Raises :class:`Unavailable` as :func:`prepare` does."""
-    if name not in OTHERS:
-        raise ValueError(f"--also takes {', '.join(OTHERS)}; got {name!r}")
+    check_names([name])
     ctx = multiprocessing.get_context("spawn")
     here, there = ctx.Pipe()
     proc = ctx.Process(target=_worker, args=(there, name, str(checkpoint), cache_key, str(cache_dir), batch,

@@ -39,11 +39,10 @@ from pathlib import Path
 
 import torch
 
-from .cpu_engines import OTHERS, Unavailable
+from .cpu_engines import Unavailable, check_names
 from .cpu_engines import start as start_other
 from .rounds import timed_rounds
 
-SYSTEMS = ("openvino", "engine")
 SIZES = ("tiny", "125m")
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "minibatch-engine" / "openvino"
 MISSING = ("--vs-openvino needs OpenVINO GenAI and optimum-intel (the optional extra `openvino`): "
@@ -163,21 +162,28 @@ def openvino_pipeline(ir: Path, batch: int, max_num_batched_tokens: int, cache_g
     return ov_genai.ContinuousBatchingPipeline(str(ir), sc, "CPU", props)
 
 
-def run_openvino(pipe, prompts, max_tokens, eos_token_id: int | None = None) -> list[list[int]]:
-    """Greedy, each request exactly its own number of output tokens (``ignore_eos``).
-    A checkpoint without an EOS token is given token 0 as one: GenAI refuses the
-    -1 it would use, and ``ignore_eos`` lets token 0 through like any other."""
+def openvino_requests(prompts, max_tokens, eos_token_id: int | list | None = None) -> list[tuple]:
+    """(prompt tensor, GenerationConfig) per request: greedy, exactly its own number
+    of output tokens (``ignore_eos``). A checkpoint without an EOS token is given
+    token 0 as one: GenAI refuses the -1 it would use, and ``ignore_eos`` lets
+    token 0 through like any other; of a list of EOS tokens, the first."""
     import numpy as np
     import openvino as ov
     import openvino_genai as ov_genai
-    configs = []
-    for m in max_tokens:
+    eos = eos_token_id[0] if isinstance(eos_token_id, list) else eos_token_id
+    requests = []
+    for p, m in zip(prompts, max_tokens):
         c = ov_genai.GenerationConfig()
         c.do_sample, c.ignore_eos, c.max_new_tokens = False, True, m
-        c.set_eos_token_id(0 if eos_token_id is None else eos_token_id)
-        configs.append(c)
-    ids = [ov.Tensor(np.array([p], dtype=np.int64)) for p in prompts]
-    return [list(r.m_generation_ids[0]) for r in pipe.generate(ids, configs)]
+        c.set_eos_token_id(0 if eos is None else eos)
+        requests.append((ov.Tensor(np.array([p], dtype=np.int64)), c))
+    return requests
+
+
+def run_openvino(pipe, prompts, max_tokens, eos_token_id: int | list | None = None) -> list[list[int]]:
+    """The requests of :func:`openvino_requests` through the pipeline's ``generate``."""
+    ids, configs = zip(*openvino_requests(prompts, max_tokens, eos_token_id))
+    return [list(r.m_generation_ids[0]) for r in pipe.generate(list(ids), list(configs))]
 
 
 def compare(model="tiny", size: str | None = None, num_requests: int = 64, batch: int = 64, seed: int = 0,
@@ -188,9 +194,7 @@ def compare(model="tiny", size: str | None = None, num_requests: int = 64, batch
     first; return a summary dict (see :func:`format_comparison`). A system of
     ``also`` that is not installed is skipped, with its reason in ``skipped``."""
     ov_genai = _require_openvino()
-    for name in also:
-        if name not in OTHERS:
-            raise ValueError(f"--also takes {', '.join(OTHERS)}; got {name!r}")
+    check_names(also)
     import json
 
     import openvino as ov
@@ -226,7 +230,6 @@ def compare(model="tiny", size: str | None = None, num_requests: int = 64, batch
     cache_gb = kv_cache_gb(hf_config, prompts, max_tokens)
     pipe = openvino_pipeline(ir, batch, budget, cache_gb, threads)
     eos = hf_config.get("eos_token_id")
-    eos = eos[0] if isinstance(eos, list) else eos
     runs = {"openvino": lambda: run_openvino(pipe, prompts, max_tokens, eos),
             "engine": None}
     others, skipped = {}, {}
