@@ -75,6 +75,9 @@ class ContinuousScheduler(Scheduler):
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.swapped: deque[Request] = deque()
+        # swapped back in, not scheduled since: the runner dropped them when they were
+        # swapped out, so the step that next schedules one admits it again
+        self.readmit: set[str] = set()
         self.preemptor = preemptor or Preemptor(kv_cache)
         self.policy = policy or FCFSPolicy()
         self.preemptor.policy = self.policy      # the policy chooses the victim
@@ -100,9 +103,11 @@ class ContinuousScheduler(Scheduler):
             self.preemptor.discard(request)
         elif request in self.running:
             self.running.remove(request)
+        self.readmit.discard(request.request_id)
 
     def _release(self, request: Request) -> None:
         """A finished request leaves the batch and frees its KV memory at once."""
+        self.readmit.discard(request.request_id)
         if request in self.running:
             self.running.remove(request)
             self.policy.on_finish(request)
@@ -170,7 +175,9 @@ class ContinuousScheduler(Scheduler):
                     if victim is req:
                         break
         granted = step.granted
-        step.out.scheduled = [ScheduledRequest.of(r, granted[id(r)]) for r in self.running if id(r) in granted]
+        step.out.scheduled = [ScheduledRequest.of(r, granted[id(r)], admitted=r.request_id in self.readmit)
+                              for r in self.running if id(r) in granted]
+        self.readmit.difference_update(s.request_id for s in step.out.scheduled)
 
     def _schedule_swapped(self, step: "_Step") -> None:
         """Swapped-out requests come back first, when memory allows (and nobody was
@@ -186,6 +193,8 @@ class ContinuousScheduler(Scheduler):
             if n and self.kv_cache.allocate(req.request_id, req.num_computed_tokens + n, req.num_computed_tokens):
                 step.grant(req, n, n > 1)
                 step.out.scheduled.append(ScheduledRequest.of(req, n, admitted=True))
+            else:               # back in memory, not in this step: its next step admits it
+                self.readmit.add(req.request_id)
 
     def _waiting_outranks(self, swapped: Request) -> bool:
         """Under a policy that orders swapped-out requests too, a better waiting
@@ -262,6 +271,7 @@ class ContinuousScheduler(Scheduler):
         re-queues to be recomputed: at the head under FCFS, else in its place by
         the policy's order (priority and arrival are kept)."""
         self.running.remove(victim)
+        self.readmit.discard(victim.request_id)
         done = self.preemptor.preempt(victim)
         if beneficiary is not None and beneficiary is not victim:
             done = replace(done, for_request_id=beneficiary.request_id)

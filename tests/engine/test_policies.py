@@ -5,7 +5,7 @@ from functools import lru_cache
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from minibatch_engine import LLM, Engine, EngineConfig, SamplingParams, reference_generate
@@ -58,6 +58,8 @@ def test_every_policy_keeps_exact_greedy_tokens_under_preemption(tiny64, policy,
 @given(reqs=st.lists(st.tuples(st.integers(4, 14), st.integers(4, 12), st.integers(0, 3)), min_size=3, max_size=6),
        blocks=st.integers(7, 10), seqs=st.integers(2, 4), swap_blocks=st.integers(0, 8),
        aging=st.sampled_from([None, 0.05]))
+# a request swapped back in without a grant that step, then scheduled later (it must be re-admitted)
+@example(reqs=[(4, 4, 1), (12, 5, 0), (13, 4, 0)], blocks=7, seqs=3, swap_blocks=1, aging=None)
 def test_priority_with_swap_keeps_exact_tokens_on_random_workloads(tiny64, reqs, blocks, seqs, swap_blocks,
                                                                   aging):
     """Priority preemption with swap (and the recompute fallback when the swap space
