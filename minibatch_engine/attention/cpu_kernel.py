@@ -1,6 +1,8 @@
 """Build and load the C++ kernels for the CPU (``csrc/``): the paged-attention
-kernel (``paged_attention_cpu.cpp``) and the model's fused small ops (``cpu_ops.cpp``,
-used by :mod:`minibatch_engine.model.fused`).
+kernel (``paged_attention_cpu.cpp``), the model's fused small ops (``cpu_ops.cpp``,
+used by :mod:`minibatch_engine.model.fused`) and the linear layers' product over
+weights packed into panels (``panel_gemm.cpp``, used by
+:mod:`minibatch_engine.runner.prepack`).
 
 The kernels are compiled on first use with the machine's C++ compiler through
 ``torch.utils.cpp_extension`` (half a minute to a few minutes, once: the library
@@ -38,7 +40,7 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "paged_attention_cpu.cpp", CSRC / "cpu_ops.cpp", CSRC / "bindings.cpp"]
+SOURCES = [CSRC / "paged_attention_cpu.cpp", CSRC / "cpu_ops.cpp", CSRC / "panel_gemm.cpp", CSRC / "bindings.cpp"]
 HEADERS = [CSRC / "simd_passes.h"]     # part of the cache key: a change rebuilds
 # -ffast-math is for the compile step only (vectorised exp); see the source's header.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
@@ -125,7 +127,7 @@ def _build_messages(name: str, say: bool):
     if not say:
         yield
         return
-    _say("compiling the C++ CPU kernels (paged attention, fused ops), once: it takes half a "
+    _say("compiling the C++ CPU kernels (paged attention, fused ops, linear layers), once: it takes half a "
          f"minute to a few minutes; the result is cached in {build_directory(name)}")
     done = threading.Event()
     t0 = time.perf_counter()

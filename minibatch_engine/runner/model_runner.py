@@ -33,9 +33,11 @@ worker, after sampling).
 On CUDA with the ``"triton"`` backend, decode-only steps replay a CUDA graph
 (:mod:`.cuda_graphs`) instead of launching every kernel from Python; the
 switch is ``EngineConfig.cuda_graphs``. On a CPU the model's linear layers are
-switched to prepacked weights where that measures faster (:mod:`.prepack`):
-the runner changes how the model it is given multiplies, never what it
-computes beyond float rounding.
+switched to prepacked weights where that measures faster (:mod:`.prepack`),
+and a step runs as a flat loop of kernel calls where it can
+(:mod:`.flat_forward`): the runner changes how the model it is given
+multiplies and how its kernels are called, never what it computes beyond
+float rounding.
 """
 from __future__ import annotations
 
@@ -46,6 +48,7 @@ import torch
 from ..attention import get_attention_backend
 from ..attention.metadata import long_tensor
 from ..model.config import PAD_ID
+from ..model.transformer import Transformer
 from ..sampling.logits_process import apply_logits_processors, needs_history, needs_processing
 from ..sampling.logprobs import token_logprobs, wide
 from ..sampling.sampler import sample, sampling_probs
@@ -57,6 +60,7 @@ from ..kv.pool import carry_out
 from .base import Runner
 from .input_batch import InputBatch
 from .cpu_threads import LoadFollower, set_cpu_threads, thread_ceiling
+from .flat_forward import FlatForward
 from .prepack import prepack_linear_weights
 
 
@@ -80,9 +84,12 @@ class ModelRunner(Runner):
             self.graphs = DecodeGraphs(model, kv_pool, self.attention, max_num_seqs,
                                        max_model_len or model.config.max_position, self.pad_token_id)
         self.load_follower = None      # re-decides the CPU threads as other processes come and go
+        self.flat = None               # the forward as a flat loop of CPU kernel calls, where it applies
         if self.device.type == "cpu":
             set_cpu_threads(cpu_threads, cpu_threads_follow_load)   # before prepacking times them
             prepack_linear_weights(model)
+            if isinstance(model, Transformer):
+                self.flat = FlatForward(model, kv_pool)
             if cpu_threads_follow_load and thread_ceiling(cpu_threads) > 1:   # one thread: nothing to follow
                 self.load_follower = LoadFollower(thread_ceiling(cpu_threads))
         self.generators: dict[str, torch.Generator] = {}   # request id -> its sampling RNG
@@ -192,7 +199,10 @@ class ModelRunner(Runner):
             input_ids, positions, meta = self.prepare_inputs(sched)
             out.prepare_s = time.perf_counter() - t0
             t0 += out.prepare_s
-            logits = self.model(input_ids, positions, meta, self.kv_pool)
+            if self.flat is not None and self.flat.can_run(input_ids.shape[0], meta):
+                logits = self.flat(input_ids, positions, meta)    # the same kernels, less Python
+            else:
+                logits = self.model(input_ids, positions, meta, self.kv_pool)
         self._sync()
         t1 = time.perf_counter()
         # One row of the step's logits per sampling request; the samples forked

@@ -1,29 +1,41 @@
-"""Prepacked linear weights for the CPU (oneDNN's blocked layout).
+"""Prepacked linear weights for the CPU.
 
 A decode step multiplies a few dozen token rows by every weight matrix. At such
-a small ``M`` a CPU GEMM may spend much of its time re-laying the weight out into
-the panels its micro-kernel wants, on every call. Packing each weight once, in
-oneDNN's layout, removes that work, but a packed call has a fixed cost of its
-own: on the AMD EPYC this book was first measured on it made two rows and more
-about 10% faster and a single row (a lone request decoding, the tail of every
-workload) about 1.7x slower; on an Intel Xeon with AVX-512, plain ``F.linear``
-was faster at every size. So the engine measures before it packs
-(:func:`linear_times`: each weight shape timed once at several row counts, the
-way ``torch.backends.cudnn.benchmark`` picks a convolution) and packs the
-model's weights for the steps of at least :func:`packing_rows` rows, the
-smallest row count at which packing is at least 5% faster (and not slower at
-any larger count); smaller steps take the plain path. The greedy tokens stay equal
-either way (chapter 10's ablation and ``benchmarks/vs_transformers.py`` check
-them). Inductor packs with ``torch._inductor.config.freezing``; IPEX and vLLM's
-CPU backend pack weights too.
+a small ``M`` a CPU GEMM library handed a plain weight spends much of its time
+re-laying it out into the panels its micro-kernel wants, on every call. Packing
+each weight once removes that work. The engine packs in one of two ways:
+
+* **panels** (float32, where the C++ CPU kernels build): the book's own kernel,
+  ``attention/csrc/panel_gemm.cpp``. The weight is copied once into panels of 48
+  output columns; a micro-kernel keeps up to 8 rows x 48 columns of the output in
+  AVX-512 registers while a panel streams past (the GotoBLAS/BLIS layout). It has
+  no fixed cost to speak of: on this book's AMD EPYC it took a quarter to half of
+  plain ``F.linear``'s time at one row and was faster than oneDNN's packed path
+  at every row count measured (appendix, "A linear kernel for a few rows"). Each
+  output is one chain of multiply-adds over the input features, whatever rows
+  share the call, so a row's result does not depend on its batch.
+* **oneDNN** (bfloat16, or no C++ compiler): oneDNN's blocked layout
+  (``torch.ops.mkldnn``), which has a fixed cost per call: on the same machine
+  it made two rows and more about 10% faster than plain and a single row about
+  1.7x slower.
+
+Either way the engine measures before it packs (:func:`linear_times`: each
+weight shape timed once at several row counts, the way
+``torch.backends.cudnn.benchmark`` picks a convolution) and packs the model's
+weights for the steps of at least :func:`packing_rows` rows, the smallest row
+count at which packing is at least 5% faster (and not slower at any larger
+count); smaller steps take the plain path. The greedy tokens stay equal either
+way (chapter 10's ablation and ``benchmarks/vs_transformers.py`` check them).
+Inductor packs with ``torch._inductor.config.freezing``; IPEX and vLLM's CPU
+backend pack weights too.
 
 :func:`prepack_linear_weights` gives the ``nn.Linear`` layers of a model a
 packed copy of their weights and a forward that uses it from a row count on.
 The copy follows the weight: if the weight is changed in place (a checkpoint
 loaded into the model, ``copy_``), its version counter moves and the next
-forward packs again. Only float32 and bfloat16 CPU weights are packed (oneDNN
-has no float64 kernels); anything else keeps the plain ``F.linear``.
-:func:`unpack_linear_weights` undoes it.
+forward packs again. Only float32 and bfloat16 CPU weights are packed;
+anything else keeps the plain ``F.linear``. :func:`unpack_linear_weights`
+undoes it.
 """
 from __future__ import annotations
 
@@ -34,6 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..attention.cpu_kernel import cpu_kernel_or_none
+
 PACKABLE = (torch.float32, torch.bfloat16)
 _BATCH_HINT = 64   # oneDNN chooses its blocking for about this many rows; any M works
 # layer -> ((weight id, weight version), packed weight); kept outside the module so
@@ -41,8 +55,44 @@ _BATCH_HINT = 64   # oneDNN chooses its blocking for about this many rows; any M
 _PACKED: "weakref.WeakKeyDictionary[nn.Linear, tuple]" = weakref.WeakKeyDictionary()
 
 
-def prepack_available() -> bool:
+_NO_BIAS = torch.empty(0)
+
+
+def _onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def prepack_available() -> bool:
+    """Whether some packed path exists here (oneDNN in this torch build, or the
+    C++ CPU kernels)."""
+    return _onednn_available() or cpu_kernel_or_none() is not None
+
+
+def packing_kind(dtype: torch.dtype) -> str | None:
+    """How a CPU weight of ``dtype`` is packed here: ``"panels"`` (the book's
+    kernel: float32 where the C++ kernels build), ``"onednn"``, or None (not
+    packed)."""
+    if dtype == torch.float32 and cpu_kernel_or_none() is not None:
+        return "panels"
+    return "onednn" if dtype in PACKABLE and _onednn_available() else None
+
+
+def pack(weight: torch.Tensor):
+    """``weight`` [N, K] packed once; returns ``multiply(x, bias)``, which computes
+    ``F.linear(x, weight, bias)`` for ``x`` [..., K] from the packed copy."""
+    kind, weight, n = packing_kind(weight.dtype), weight.detach(), weight.shape[0]
+    if kind == "panels":
+        kernel, panels = cpu_kernel_or_none(), cpu_kernel_or_none().pack_panels(weight)
+
+        def multiply(x, bias=None):
+            rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+            out = kernel.panel_linear(rows, panels, n, _NO_BIAS if bias is None else bias)
+            return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+        return multiply
+    if kind == "onednn":
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_HINT)
+        return lambda x, bias=None: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+    raise ValueError(f"no packed path for a {weight.dtype} weight here")
 
 
 def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
@@ -51,11 +101,23 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, w, self.bias)          # a few rows: the plain path (checked first: it is hot)
     if x.dtype != w.dtype or w.device.type != "cpu" or w.dtype not in PACKABLE or torch.is_grad_enabled():
         return F.linear(x, w, self.bias)
-    version, packed = _PACKED.get(self, (None, None))
+    version, multiply = _PACKED.get(self, (None, None))
     if version != (id(w), w._version):       # first call, or the weight changed
-        packed = torch.ops.mkldnn._reorder_linear_weight(w.detach(), _BATCH_HINT)
-        _PACKED[self] = ((id(w), w._version), packed)
-    return torch.ops.mkldnn._linear_pointwise(x, packed, self.bias, "none", [], "")
+        multiply = pack(w)
+        _PACKED[self] = ((id(w), w._version), multiply)
+    return multiply(x, self.bias)
+
+
+def packed_product(layer: nn.Linear):
+    """``layer``'s packed product, ``multiply(x, bias)`` (see :func:`pack`), when
+    the layer is switched to its packed copy and that copy is current (packed
+    from the weight as it is now); None otherwise (not switched, or not packed
+    since the weight changed: its next call packs it)."""
+    if layer.__dict__.get("forward") is None:
+        return None
+    w = layer.weight
+    version, multiply = _PACKED.get(layer, (None, None))
+    return multiply if version == (id(w), w._version) else None
 
 
 ROWS = (1, 2, 4, 16, 64)   # the row counts timed: a lone decode up to a full batch
@@ -74,9 +136,7 @@ def linear_times(layer: nn.Linear, rounds: int = 5, calls: int = 4) -> dict[int,
     key = (w.shape[1], w.shape[0], w.dtype, torch.get_num_threads())
     if key not in _TIMES:
         weight = torch.randn(w.shape, dtype=w.dtype)
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_HINT)
-        paths = (lambda x: F.linear(x, weight),
-                 lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+        paths = (lambda x: F.linear(x, weight), pack(weight))
         times = {}
         for m in ROWS:
             x = torch.randn(m, w.shape[1], dtype=w.dtype)
@@ -101,7 +161,7 @@ def _plain_linear(mod: nn.Module) -> bool:
 
 
 def _packable(mod: nn.Module) -> bool:
-    return _plain_linear(mod) and mod.weight.device.type == "cpu" and mod.weight.dtype in PACKABLE
+    return _plain_linear(mod) and mod.weight.device.type == "cpu" and packing_kind(mod.weight.dtype) is not None
 
 
 def packing_rows(model: nn.Module) -> int | None:

@@ -11,10 +11,75 @@ from minibatch_engine import Engine, SamplingParams
 from minibatch_engine.kv.pool import KVPool
 from minibatch_engine.model import build_model
 from minibatch_engine.runner import prepack
-from minibatch_engine.runner.prepack import (num_packed_layers, packed_from_rows, packing_rows, prepack_available,
-                                             prepack_linear_weights, unpack_linear_weights)
+from minibatch_engine.attention.cpu_kernel import cpu_kernel_or_none
+from minibatch_engine.runner.prepack import (num_packed_layers, pack, packed_from_rows, packing_kind, packing_rows,
+                                             prepack_available, prepack_linear_weights, unpack_linear_weights)
 
-needs_onednn = pytest.mark.skipif(not prepack_available(), reason="no oneDNN in this torch build")
+needs_onednn = pytest.mark.skipif(not prepack_available(), reason="no packed path here (no oneDNN, no C++ kernels)")
+needs_kernel = pytest.mark.skipif(cpu_kernel_or_none() is None, reason="the C++ CPU kernels do not build here")
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows,k,n,bias", [(1, 7, 5, True), (3, 256, 512, False), (8, 64, 48, False),
+                                           (9, 100, 97, True), (70, 33, 200, True), (130, 96, 130, False),
+                                           (0, 8, 8, True)])
+def test_panel_kernel_equals_f_linear(rows, k, n, bias):
+    """Any row count (whole micro-kernel blocks and a tail, one and several row
+    chunks), any width (a last panel of fewer than 48 columns), with and
+    without bias, against float64."""
+    g = torch.Generator().manual_seed(rows + k + n)
+    w, x, b = torch.randn(n, k, generator=g), torch.randn(rows, k, generator=g), torch.randn(n, generator=g)
+    kernel = cpu_kernel_or_none()
+    out = kernel.panel_linear(x, kernel.pack_panels(w), n, b if bias else torch.empty(0))
+    assert out.shape == (rows, n) and out.dtype == torch.float32
+    ref = F.linear(x.double(), w.double(), b.double() if bias else None)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-5 * k ** 0.5)
+
+
+@needs_kernel
+def test_panel_kernel_takes_strided_rows_and_any_batch():
+    """Rows with a stride (a slice of a wider tensor) and transposed input are
+    read correctly; each row's result is bit-identical whatever rows share the call."""
+    g = torch.Generator().manual_seed(1)
+    kernel = cpu_kernel_or_none()
+    w = torch.randn(300, 64, generator=g)
+    panels = kernel.pack_panels(w)
+    wide = torch.randn(50, 128, generator=g)
+    for x in (wide[:, :64], wide[:, :64].t().contiguous().t()):
+        torch.testing.assert_close(kernel.panel_linear(x, panels, 300, torch.empty(0)), x @ w.t())
+    x = wide[:, :64].contiguous()
+    full = kernel.panel_linear(x, panels, 300, torch.empty(0))
+    assert all(torch.equal(full[i:i + 1], kernel.panel_linear(x[i:i + 1], panels, 300, torch.empty(0)))
+               for i in range(50))
+    assert torch.equal(full[7:30], kernel.panel_linear(x[7:30], panels, 300, torch.empty(0)))
+
+
+@needs_kernel
+def test_panel_kernel_refuses_what_it_cannot_read():
+    kernel = cpu_kernel_or_none()
+    panels = kernel.pack_panels(torch.randn(10, 8))
+    with pytest.raises(RuntimeError, match="panels must come from pack_panels"):
+        kernel.panel_linear(torch.randn(2, 9), panels, 10, torch.empty(0))
+    with pytest.raises(RuntimeError, match="float32"):
+        kernel.panel_linear(torch.randn(2, 8, dtype=torch.float64), panels, 10, torch.empty(0))
+    with pytest.raises(RuntimeError, match="bias must be"):
+        kernel.panel_linear(torch.randn(2, 8), panels, 10, torch.empty(3))
+    with pytest.raises(RuntimeError, match="float32"):
+        kernel.pack_panels(torch.randn(10, 8, dtype=torch.float64))
+
+
+def test_packing_kind_follows_dtype_and_kernel(monkeypatch):
+    kind = packing_kind(torch.float32)
+    assert kind == ("panels" if cpu_kernel_or_none() is not None else "onednn" if prepack._onednn_available()
+                    else None)
+    assert packing_kind(torch.float64) is None
+    monkeypatch.setattr(prepack, "cpu_kernel_or_none", lambda: None)   # no compiler: oneDNN's layout
+    assert packing_kind(torch.float32) == ("onednn" if prepack._onednn_available() else None)
+    if prepack._onednn_available():
+        w, x = torch.randn(20, 16), torch.randn(3, 2, 16)             # a 3-D input
+        torch.testing.assert_close(pack(w)(x), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="no packed path"):
+        pack(torch.randn(4, 4, dtype=torch.float64))
 
 
 @needs_onednn
@@ -108,9 +173,12 @@ def test_a_step_below_the_packing_rows_takes_the_plain_path(monkeypatch):
     assert prepack_linear_weights(layer, only_where_faster=False) == 1
     layer.packed_from_rows = 4
     calls = []
-    real = torch.ops.mkldnn._linear_pointwise
-    monkeypatch.setattr(prepack.torch.ops.mkldnn, "_linear_pointwise", lambda *a: calls.append(1) or real(*a),
-                        raising=False)
+    real = prepack.pack
+
+    def counting_pack(weight):
+        multiply = real(weight)
+        return lambda *a: calls.append(1) or multiply(*a)
+    monkeypatch.setattr(prepack, "pack", counting_pack)
     with torch.no_grad():
         for rows in (1, 3, 4, 9):
             x = torch.randn(rows, 32)
@@ -136,3 +204,19 @@ def test_pool_falls_back_to_torch_zeros(monkeypatch):
     assert p.kv.dtype == torch.float64 and not p.kv.any()
     small = KVPool(1, 2, 4, 1, 8, torch.float32, "cpu")       # small pools never take the mmap path
     assert small.kv.shape == (1, 2, 3, 4, 1, 8) and not small.kv.any()
+
+
+@needs_kernel
+def test_the_engines_packed_path_takes_any_leading_dims():
+    """``pack(w)`` runs a 3-D input through the panel kernel as rows."""
+    assert packing_kind(torch.float32) == "panels"
+    g = torch.Generator().manual_seed(2)
+    w, x, b = torch.randn(20, 16, generator=g), torch.randn(3, 2, 16, generator=g), torch.randn(20, generator=g)
+    torch.testing.assert_close(pack(w)(x, b), F.linear(x, w, b), rtol=1e-5, atol=1e-5)
+
+
+@needs_onednn
+def test_linear_path_times_times_every_path():
+    from minibatch_engine.book.linear_paths import PATHS, linear_path_times
+    times = linear_path_times([(20, 16), (48, 8)], rows=(1, 9), rounds=1, calls=1)
+    assert sorted(times) == [1, 9] and all(set(t) == set(PATHS) and min(t.values()) > 0 for t in times.values())

@@ -14,6 +14,8 @@ bool simd_path(at::ScalarType dtype, int64_t head_dim);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
+at::Tensor pack_panels(const at::Tensor& weight);
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N, const at::Tensor& bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over a ragged batch (paged_attention_cpu.cpp)");
@@ -23,4 +25,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, "RMSNorm over the last dim (cpu_ops.cpp)");
   m.def("rope", &rope, "rotary embedding, half-rotation layout (cpu_ops.cpp)");
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (cpu_ops.cpp)");
+  m.def("pack_panels", &pack_panels, "a linear weight packed into 48-column panels (panel_gemm.cpp)");
+  m.def("panel_linear", &panel_linear, "x times a weight packed by pack_panels, plus bias (panel_gemm.cpp)");
 }
