@@ -9,15 +9,14 @@ each weight once removes that work. The engine packs in one of two ways:
   ``attention/csrc/panel_gemm.cpp``. The weight is copied once into panels of 48
   output columns; a micro-kernel keeps up to 8 rows x 48 columns of the output in
   AVX-512 registers while a panel streams past (the GotoBLAS/BLIS layout). It has
-  no fixed cost to speak of: on this book's AMD EPYC it took a quarter to half of
-  plain ``F.linear``'s time at one row and was faster than oneDNN's packed path
-  at every row count measured (appendix, "A linear kernel for a few rows"). Each
+  no fixed cost to speak of: on this book's AMD EPYC it took a fraction of
+  plain ``F.linear``'s time at one row and beat oneDNN's packed path from 1 to
+  64 rows, about equal at hundreds (appendix, "A linear kernel for a few rows"). Each
   output is one chain of multiply-adds over the input features, whatever rows
   share the call, so a row's result does not depend on its batch.
 * **oneDNN** (bfloat16, or no C++ compiler): oneDNN's blocked layout
-  (``torch.ops.mkldnn``), which has a fixed cost per call: on the same machine
-  it made two rows and more about 10% faster than plain and a single row about
-  1.7x slower.
+  (``torch.ops.mkldnn``), which has a fixed cost per call: with an earlier torch
+  on the same machine it made a single row about 1.7x slower than plain.
 
 Either way the engine measures before it packs (:func:`linear_times`: each
 weight shape timed once at several row counts, the way
