@@ -87,7 +87,8 @@ class FlatForward:
             return False
         if self.layers is None or not self._current():
             self.layers = None
-            if not self._resolve():
+            first = self.model.layers[0].attn.qkv_proj
+            if "forward" not in first.__dict__ or not self._resolve():   # cheap look first: plain weights
                 return False
         return num_tokens >= self.from_rows
 
