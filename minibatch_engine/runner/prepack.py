@@ -81,7 +81,8 @@ def pack(weight: torch.Tensor):
     ``F.linear(x, weight, bias)`` for ``x`` [..., K] from the packed copy."""
     kind, weight, n = packing_kind(weight.dtype), weight.detach(), weight.shape[0]
     if kind == "panels":
-        kernel, panels = cpu_kernel_or_none(), cpu_kernel_or_none().pack_panels(weight)
+        kernel = cpu_kernel_or_none()
+        panels = kernel.pack_panels(weight)
 
         def multiply(x, bias=None):
             rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
@@ -100,8 +101,8 @@ def _packed_forward(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, w, self.bias)          # a few rows: the plain path (checked first: it is hot)
     if x.dtype != w.dtype or w.device.type != "cpu" or w.dtype not in PACKABLE or torch.is_grad_enabled():
         return F.linear(x, w, self.bias)
-    version, multiply = _PACKED.get(self, (None, None))
-    if version != (id(w), w._version):       # first call, or the weight changed
+    multiply = packed_product(self)
+    if multiply is None:                     # first call, or the weight changed
         multiply = pack(w)
         _PACKED[self] = ((id(w), w._version), multiply)
     return multiply(x, self.bias)
