@@ -96,7 +96,8 @@ def main(argv=None) -> int:
     specs = make_workload("uniform", 64, seed=0, vocab_size=min(256, ours.config.vocab_size))
     prompts, max_tokens = [s.prompt_token_ids for s in specs], [s.max_tokens for s in specs]
     budget = EngineConfig(max_num_seqs=batch).resolve(ours.config).max_num_batched_tokens
-    pipe = openvino_pipeline(ir, batch, budget, kv_cache_gb(hf_config, prompts, max_tokens), threads)
+    cache_gb = kv_cache_gb(hf_config, prompts, max_tokens)
+    pipe = openvino_pipeline(ir, batch, budget, cache_gb, threads)
     eos = hf_config.get("eos_token_id")
     warmup(ours)
     run_openvino(pipe, prompts[:2], [4, 4], eos)
@@ -111,7 +112,8 @@ def main(argv=None) -> int:
                 runs["openvino_generate_s"].append(time.perf_counter() - t0)
                 runs["openvino"].append(openvino_stepwise(pipe, prompts, max_tokens, eos))
             else:
-                eng, _ = engine_for(ours, prompts, max_tokens, batch, "auto", threads)
+                eng, _ = engine_for(ours, prompts, max_tokens, batch, "auto", threads,
+                                    kv_budget_bytes=cache_gb * 2**30, enable_prefix_caching=False)
                 eng.run()
                 steps = eng.trace.steps
                 prefill_steps = sum(1 for s in steps if s.prefill_tokens)

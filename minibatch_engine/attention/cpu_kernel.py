@@ -2,7 +2,9 @@
 kernel (``paged_attention_cpu.cpp``), the model's fused small ops (``cpu_ops.cpp``,
 used by :mod:`minibatch_engine.model.fused`) and the linear layers' product over
 weights packed into panels (``panel_gemm.cpp``, used by
-:mod:`minibatch_engine.runner.prepack`).
+:mod:`minibatch_engine.runner.prepack`), and a llama step's decoder layers as
+one loop over those kernels (``decoder_layers.cpp``, used by
+:mod:`minibatch_engine.runner.flat_forward`).
 
 The kernels are compiled on first use with the machine's C++ compiler through
 ``torch.utils.cpp_extension`` (half a minute to a few minutes, once: the library
@@ -40,7 +42,8 @@ from pathlib import Path
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = [CSRC / "paged_attention_cpu.cpp", CSRC / "cpu_ops.cpp", CSRC / "panel_gemm.cpp", CSRC / "bindings.cpp"]
+SOURCES = [CSRC / "paged_attention_cpu.cpp", CSRC / "cpu_ops.cpp", CSRC / "panel_gemm.cpp",
+           CSRC / "decoder_layers.cpp", CSRC / "bindings.cpp"]
 HEADERS = [CSRC / "simd_passes.h"]     # part of the cache key: a change rebuilds
 # -ffast-math is for the compile step only (vectorised exp); see the source's header.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]

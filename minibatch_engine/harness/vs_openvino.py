@@ -17,7 +17,9 @@ lengths) in one process, alternating round by round, through two systems:
   the EOS token's logit, so a greedy request whose argmax is EOS would take the
   runner-up and part from the engine, which keeps the model's own argmax);
 * ``engine``: this engine, loading the same checkpoint through its own
-  Hugging Face loader, with the same threads and batch. Each round's engine
+  Hugging Face loader, with the same threads, batch and KV cache size, and
+  prefix caching off in both (OpenVINO's cache would outlive a round, since
+  one pipeline serves every round, while each round builds a fresh engine). Each round's engine
   is built (KV cache, thread count) before its timer starts, as the pipeline
   is built once before any; the timer covers the run alone.
 
@@ -152,12 +154,15 @@ def kv_cache_gb(hf_config: dict, prompts, max_tokens, margin: float = 1.5) -> in
 
 
 def openvino_pipeline(ir: Path, batch: int, max_num_batched_tokens: int, cache_gb: int, threads: int):
-    """OpenVINO GenAI's continuous-batching pipeline on the CPU, fp32 throughout."""
+    """OpenVINO GenAI's continuous-batching pipeline on the CPU, fp32 throughout,
+    prefix caching off (its cache would outlive a round: the pipeline serves
+    every round)."""
     ov_genai = _require_openvino()
     sc = ov_genai.SchedulerConfig()
     sc.max_num_seqs = batch
     sc.max_num_batched_tokens = max_num_batched_tokens
     sc.cache_size = cache_gb
+    sc.enable_prefix_caching = False
     props = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f32", "INFERENCE_NUM_THREADS": threads}
     return ov_genai.ContinuousBatchingPipeline(str(ir), sc, "CPU", props)
 
@@ -246,7 +251,8 @@ def compare(model="tiny", size: str | None = None, num_requests: int = 64, batch
     def engine_run():
         """A fresh engine holding the workload, built before the timer (as the
         pipeline is): its run returns every request's tokens."""
-        eng, reqs = engine_for(ours, prompts, max_tokens, batch, attention_backend, threads)
+        eng, reqs = engine_for(ours, prompts, max_tokens, batch, attention_backend, threads,
+                               kv_budget_bytes=cache_gb * 2**30, enable_prefix_caching=False)
         return lambda: (eng.run(), [list(r.output_token_ids) for r in reqs])[1]
 
     log(f"warming up {len(runs)} systems (untimed)...")

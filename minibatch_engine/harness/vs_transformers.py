@@ -109,12 +109,17 @@ def hf_caps_batch() -> bool:
     return "max_requests_per_batch" in inspect.signature(ContinuousBatchingConfig).parameters
 
 
-def engine_for(model, prompts, max_tokens, batch: int, attention_backend: str, cpu_threads: int | str = "auto"):
-    """This engine (continuous, paged, ``max_num_seqs=batch``) and the workload's
-    requests, added to it in order."""
+def engine_for(model, prompts, max_tokens, batch: int, attention_backend: str, cpu_threads: int | str = "auto",
+               **config):
+    """This engine (continuous, paged, ``max_num_seqs=batch``, ``max_model_len``
+    long enough for the workload's longest request, and any other
+    :class:`~minibatch_engine.config.EngineConfig` knob in ``config``) and the
+    workload's requests, added to it in order."""
     from ..core.engine import Engine
     from ..sampling.params import SamplingParams
-    eng = Engine(model, max_num_seqs=batch, attention_backend=attention_backend, cpu_threads=cpu_threads)
+    longest = max(len(p) + m for p, m in zip(prompts, max_tokens))
+    config.setdefault("max_model_len", max(longest, min(model.config.max_position, 1024)))
+    eng = Engine(model, max_num_seqs=batch, attention_backend=attention_backend, cpu_threads=cpu_threads, **config)
     reqs = [eng.add_request(p, SamplingParams(max_tokens=m, ignore_eos=True)) for p, m in zip(prompts, max_tokens)]
     return eng, reqs
 

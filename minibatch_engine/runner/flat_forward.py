@@ -4,14 +4,18 @@ A decode step of a small model spends a good part of its forward in Python
 between the kernels: per layer, nine ``nn.Module`` calls, each through the
 hooks machinery of ``Module.__call__``, and the checks each wrapper makes
 before it reaches its C++ kernel. On a GPU, CUDA graphs remove that cost
-(:mod:`.cuda_graphs`). On a CPU, :class:`FlatForward` removes most of it: it
-looks up, once, each layer's norm weights, packed linear products
-(:mod:`.prepack`) and KV slots, then runs a step as one loop over them that
-calls the C++ kernels (``attention/csrc/``) directly and the attention backend's
-``forward``. It computes what the model's own forward computes, with the same
-kernels in the same order, so the logits are bit-identical
-(``tests/engine/test_flat_forward.py``). The CPU appendix measures what it
-saves a step ("Python between the kernels").
+(:mod:`.cuda_graphs`). On a CPU, :class:`FlatForward` removes it: it looks
+up, once, each layer's norm weights, packed linear products (:mod:`.prepack`)
+and KV slots, then runs a step's decoder layers as one call of a C++ loop over
+the same kernels (``attention/csrc/decoder_layers.cpp``); only the embedding,
+the rotary table and the final norm and ``lm_head`` stay in Python. Where the
+attention backend's ``forward`` is wrapped (the profiling harness times it),
+the loop runs in Python instead, calling the kernels directly and that
+``forward`` once a layer (as it does with ``use_cpp = False``, which the
+appendix uses to measure the difference). Either way it computes what the model's own forward
+computes, with the same kernels in the same order, so the logits are
+bit-identical (``tests/engine/test_flat_forward.py``). The CPU appendix
+measures what it saves a step ("Python between the kernels").
 
 It applies where every piece has its kernel: a llama-family
 :class:`~minibatch_engine.model.transformer.Transformer` without per-head q/k
@@ -30,6 +34,8 @@ from ..attention.cpu_kernel import cpu_kernel_or_none
 from ..kv.quant import is_quantized
 from ..model import fused
 from . import prepack
+
+_NO_BIAS = torch.empty(0)
 
 
 def _has_hooks(model: torch.nn.Module) -> bool:
@@ -54,6 +60,12 @@ class FlatForward:
         self.watch: list = []               # (layer, weight, version) of every projection
         self.from_rows = 0
         self.steps = 0                      # steps run flat so far
+        self.cpp_steps = 0                  # of which the decoder layers ran as one C++ call
+        self.use_cpp = True                 # False: the Python loop always (to measure the difference)
+        # decoder_layers's arguments: 12 tensors a layer and the products' out_features
+        # (None where some product is not a panel product)
+        self.weights: list | None = None
+        self.out_features: list[int] = []
 
     def _projections(self, block):
         return block.attn.qkv_proj, block.attn.o_proj, block.mlp.gate_up_proj, block.mlp.down_proj
@@ -73,6 +85,12 @@ class FlatForward:
                 watch.append((lin, lin.weight, lin.weight._version))
             layers.append((block.attn_norm.weight, block.mlp_norm.weight, *products, *self.kv_pool.layer(i)))
         self.layers, self.watch = layers, watch
+        self.weights, self.out_features = None, []
+        if all(isinstance(p, prepack.PanelProduct) for layer in layers for p, _ in layer[2:6]):
+            self.out_features = [p.out_features for p, _ in layers[0][2:6]]
+            self.weights = [t for a, b, *products, ks, vs in layers
+                            for t in (a, b, *(x for p, bias in products
+                                              for x in (p.panels, _NO_BIAS if bias is None else bias)), ks, vs)]
         self.from_rows = max(lin.packed_from_rows for lin, _, _ in watch)
         return True
 
@@ -98,7 +116,14 @@ class FlatForward:
         self.steps += 1
         x = model.embed(input_ids)
         cos, sin = model._rope(positions, x.dtype)
-        T, eps, forward = x.shape[0], self.eps, meta.backend.forward
+        backend = meta.backend
+        if self.use_cpp and self.weights is not None and "forward" not in vars(backend):   # not wrapped: C++
+            self.cpp_steps += 1
+            x = k.decoder_layers(x, cos, sin, self.weights, self.out_features, self.split_qk[0], self.split_qk[1],
+                                 self.eps, meta.slot_mapping, meta.block_tables, meta.seq_lens,
+                                 meta.query_start_loc, meta.block_size, backend.simd)
+            return model.lm_head(model.norm(x[meta.logits_indices]))
+        T, eps, forward = x.shape[0], self.eps, backend.forward
         for attn_norm, mlp_norm, (qkv, qkv_b), (o, o_b), (gate_up, gu_b), (down, down_b), k_slots, v_slots \
                 in self.layers:
             qk, v = qkv(k.rms_norm(x, attn_norm, eps), qkv_b).split(self.split_qkv, dim=-1)

@@ -37,7 +37,8 @@ switched to prepacked weights where that measures faster (:mod:`.prepack`),
 and a step runs as a flat loop of kernel calls where it can
 (:mod:`.flat_forward`): the runner changes how the model it is given
 multiplies and how its kernels are called, never what it computes beyond
-float rounding.
+float rounding. It also keeps the memory a CPU step frees for the next one
+(:mod:`.cpu_memory`: glibc's malloc thresholds, once per process).
 """
 from __future__ import annotations
 
@@ -59,6 +60,7 @@ from ..sampling.structured_output import apply_bitmask
 from ..kv.pool import carry_out
 from .base import Runner
 from .input_batch import InputBatch
+from .cpu_memory import keep_freed_memory
 from .cpu_threads import LoadFollower, set_cpu_threads, thread_ceiling
 from .flat_forward import FlatForward
 from .prepack import prepack_linear_weights
@@ -86,6 +88,7 @@ class ModelRunner(Runner):
         self.load_follower = None      # re-decides the CPU threads as other processes come and go
         self.flat = None               # the forward as a flat loop of CPU kernel calls, where it applies
         if self.device.type == "cpu":
+            keep_freed_memory()          # a step reuses the pages the step before freed
             set_cpu_threads(cpu_threads, cpu_threads_follow_load)   # before prepacking times them
             prepack_linear_weights(model)
             if isinstance(model, Transformer):

@@ -76,19 +76,28 @@ def packing_kind(dtype: torch.dtype) -> str | None:
     return "onednn" if dtype in PACKABLE and _onednn_available() else None
 
 
+class PanelProduct:
+    """``F.linear(x, weight, bias)`` from ``weight`` packed once into the panel
+    kernel's layout; ``panels`` and ``out_features`` are there for callers that
+    hand them to the C++ kernels themselves (:mod:`.flat_forward`)."""
+
+    def __init__(self, kernel, weight: torch.Tensor):
+        self.kernel, self.out_features = kernel, weight.shape[0]
+        self.panels = kernel.pack_panels(weight)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
+        out = self.kernel.panel_linear(rows, self.panels, self.out_features, _NO_BIAS if bias is None else bias)
+        return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
+
+
 def pack(weight: torch.Tensor):
     """``weight`` [N, K] packed once; returns ``multiply(x, bias)``, which computes
-    ``F.linear(x, weight, bias)`` for ``x`` [..., K] from the packed copy."""
+    ``F.linear(x, weight, bias)`` for ``x`` [..., K] from the packed copy (a
+    :class:`PanelProduct` where the weight is packed into panels)."""
     kind, weight, n = packing_kind(weight.dtype), weight.detach(), weight.shape[0]
     if kind == "panels":
-        kernel = cpu_kernel_or_none()
-        panels = kernel.pack_panels(weight)
-
-        def multiply(x, bias=None):
-            rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-            out = kernel.panel_linear(rows, panels, n, _NO_BIAS if bias is None else bias)
-            return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
-        return multiply
+        return PanelProduct(cpu_kernel_or_none(), weight)
     if kind == "onednn":
         packed = torch.ops.mkldnn._reorder_linear_weight(weight, _BATCH_HINT)
         return lambda x, bias=None: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")

@@ -25,10 +25,19 @@ def run(model, flat: bool, **config):
     return [r.output_token_ids for r in reqs], eng
 
 
-def test_logits_are_bit_identical_to_the_models_forward():
+@pytest.mark.parametrize("loop", ["cpp", "python", "wrapped"])
+def test_logits_are_bit_identical_to_the_models_forward(loop):
+    """Every loop: the decoder layers as one C++ call, the Python loop
+    (``use_cpp=False``), and the Python loop taken because the backend's
+    forward is wrapped, as the profiling harness wraps it."""
     model = build_model("tiny", device="cpu")
     eng = Engine(model, max_num_seqs=4)
     runner, checked = eng.runner, []
+    flat = runner.flat
+    if loop == "python":
+        flat.use_cpp = False
+    if loop == "wrapped":
+        runner.attention.forward = runner.attention.forward     # an instance attribute, as a wrapper is
 
     class Checking:            # the runner's flat forward, each step compared with the model's
         def __init__(self, flat):
@@ -56,6 +65,7 @@ def test_logits_are_bit_identical_to_the_models_forward():
         eng.add_request(p, params)
     eng.run()
     assert len(checked) >= 25 and max(checked) > 4
+    assert flat.steps == len(checked) and flat.cpp_steps == (len(checked) if loop == "cpp" else 0)
 
 
 def test_tokens_equal_and_decode_steps_run_flat():

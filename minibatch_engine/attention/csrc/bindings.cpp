@@ -16,6 +16,11 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 at::Tensor pack_panels(const at::Tensor& weight);
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N, const at::Tensor& bias);
+at::Tensor decoder_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
+                          const std::vector<at::Tensor>& weights, const std::vector<int64_t>& out_features,
+                          int64_t num_heads, int64_t num_kv_heads, double eps, const at::Tensor& slot_mapping,
+                          const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                          const at::Tensor& query_start, int64_t block_size, bool use_simd);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention, "paged attention over a ragged batch (paged_attention_cpu.cpp)");
@@ -27,4 +32,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_and_mul", &silu_and_mul, "silu(gate) * up (cpu_ops.cpp)");
   m.def("pack_panels", &pack_panels, "a linear weight packed into 48-column panels (panel_gemm.cpp)");
   m.def("panel_linear", &panel_linear, "x times a weight packed by pack_panels, plus bias (panel_gemm.cpp)");
+  m.def("decoder_layers", &decoder_layers, "a llama step's decoder layers as one loop, x updated in place "
+        "(decoder_layers.cpp)");
 }

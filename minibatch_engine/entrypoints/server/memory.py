@@ -18,11 +18,10 @@ already sets ``MALLOC_ARENA_MAX`` (the operator's choice wins).
 """
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import os
 
-M_ARENA_MAX = -8          # glibc's mallopt parameter number (malloc.h)
+from ...runner.cpu_memory import M_ARENA_MAX, mallopt
+
 DEFAULT_ARENAS = 2
 
 
@@ -30,13 +29,4 @@ def limit_malloc_arenas(n: int = DEFAULT_ARENAS) -> bool:
     """Cap glibc's malloc arenas at ``n`` for this process; whether the cap was set."""
     if os.environ.get("MALLOC_ARENA_MAX"):
         return False
-    name = ctypes.util.find_library("c")
-    if not name:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):        # not glibc (musl, macOS, Windows)
-        return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
-    return mallopt(M_ARENA_MAX, int(n)) == 1
+    return mallopt(M_ARENA_MAX, n)
