@@ -12,8 +12,11 @@ the steps that carry prompt tokens (the first few: the engine's trace says how
 many, and both systems fill the same token budget first-come, first-served)
 are grouped apart. OpenVINO driven from Python pays a call per step that its
 own ``generate`` loop does not; the report gives both totals, so that cost is
-visible. Needs the ``openvino`` extra. Writes ``<out>`` (JSON); its figures
-are wall clock.
+visible. OpenVINO runs in the engine's process here (stepping it needs its
+Python object), so the engine's raised malloc thresholds
+(``minibatch_engine/runner/cpu_memory.py``) apply to it too; ``bench
+--vs-openvino`` runs it in a process of its own. Needs the ``openvino``
+extra. Writes ``<out>`` (JSON); its figures are wall clock.
 """
 from __future__ import annotations
 

@@ -233,20 +233,21 @@ def compare(model="tiny", size: str | None = None, num_requests: int = 64, batch
     output_tokens = sum(max_tokens)
     budget = EngineConfig(max_num_seqs=batch).resolve(ours.config).max_num_batched_tokens
     cache_gb = kv_cache_gb(hf_config, prompts, max_tokens)
-    pipe = openvino_pipeline(ir, batch, budget, cache_gb, threads)
-    eos = hf_config.get("eos_token_id")
-    runs = {"openvino": lambda: run_openvino(pipe, prompts, max_tokens, eos),
-            "engine": None}
-    others, skipped = {}, {}
+    kv_tokens = sum(map(len, prompts)) + output_tokens
+    # OpenVINO in a process of its own, like the --also systems (cpu_engines): the
+    # engine's process-wide malloc settings (runner/cpu_memory.py) stay out of it
+    pipe = start_other("openvino", ckpt, checkpoint_key(ckpt), cache_dir, batch, threads, kv_tokens, log,
+                       max_num_batched_tokens=budget, cache_gb=cache_gb)
+    runs = {"openvino": lambda: pipe.run(prompts, max_tokens), "engine": None}
+    others, skipped = {"openvino": pipe}, {}
     for name in dict.fromkeys(also):
         try:
-            others[name] = start_other(name, ckpt, checkpoint_key(ckpt), cache_dir, batch, threads,
-                                       sum(map(len, prompts)) + output_tokens, log)
+            others[name] = start_other(name, ckpt, checkpoint_key(ckpt), cache_dir, batch, threads, kv_tokens, log)
         except Unavailable as e:
             skipped[name] = str(e)
             log(f"skipping {name}: {e}")
     for name, other in others.items():
-        runs[name] = (lambda o=other: o.run(prompts, max_tokens))
+        runs.setdefault(name, lambda o=other: o.run(prompts, max_tokens))
 
     def engine_run():
         """A fresh engine holding the workload, built before the timer (as the
@@ -257,7 +258,6 @@ def compare(model="tiny", size: str | None = None, num_requests: int = 64, batch
 
     log(f"warming up {len(runs)} systems (untimed)...")
     warmup(ours)
-    run_openvino(pipe, prompts[:2], [4, 4], eos)
     try:
         for other in others.values():
             other.run(prompts[:2], [4, 4])
@@ -289,7 +289,8 @@ def compare(model="tiny", size: str | None = None, num_requests: int = 64, batch
                           "engine_vs_per_round": [x / e for x, e in zip(results[name].seconds,
                                                                          results["engine"].seconds)],
                           "requests_token_equal_engine": token_agreement(eng_toks, results[name].tokens)}
-                   for name, o in others.items()},
+                   for name, o in others.items() if name != "openvino"},
+        "openvino_settings": pipe.settings,
         "skipped": skipped,
     }
 

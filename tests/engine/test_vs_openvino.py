@@ -53,6 +53,7 @@ def test_report_fields_agreement_and_ir_cache(two_layer_checkpoint, tmp_path):
     assert s["requests_token_equal"] == 4, s["first_difference_positions"]
     assert "token agreement: 4/4" in format_comparison(s)
     assert s["others"] == {} and s["skipped"] == {}
+    assert s["openvino_settings"].startswith("ContinuousBatchingPipeline")    # run in a process of its own
     xml = tmp_path / s["ir"].rsplit("/", 1)[-1] / "openvino_model.xml"
     before = xml.stat().st_mtime_ns
     ir, exported = export_openvino(two_layer_checkpoint, tmp_path, log=lambda *a: None)
