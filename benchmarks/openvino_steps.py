@@ -1,4 +1,4 @@
-"""Where OpenVINO GenAI's lead comes from: step by step, beside the engine.
+"""OpenVINO GenAI beside the engine, step by step.
 
     python benchmarks/openvino_steps.py [--size tiny] [--rounds 3] [--out benchmarks/openvino_steps_tiny.json]
 

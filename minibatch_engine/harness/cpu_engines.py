@@ -18,7 +18,8 @@ rounds as OpenVINO GenAI and the engine:
 :func:`start` runs each system in a process of its own, as a user would run it:
 their thread pools (CTranslate2 brings its own OpenMP runtime), allocators and
 loaded libraries then stay out of the process that times the engine.
-OpenVINO GenAI itself runs the same way (``start("openvino", ...)``), so that
+OpenVINO GenAI itself runs the same way (``start("openvino", ...,
+adapter=vs_openvino.openvino_adapter)``), so that
 the engine's process-wide settings (glibc's malloc thresholds,
 :mod:`minibatch_engine.runner.cpu_memory`) do not reach it either. A system that is not installed is skipped with the reason (the
 comparison records it); nothing here is needed by the engine itself.
@@ -65,37 +66,39 @@ def check_names(names) -> None:
             raise ValueError(f"--also takes {', '.join(OTHERS)}; got {name!r}")
 
 
-def _adapter(name: str):
-    """The function that prepares ``name``: one of :data:`OTHERS`, or ``"openvino"``
-    (the comparison's own baseline, not an ``--also`` system)."""
-    if name != "openvino":
-        check_names([name])
-    return {"transformers": _transformers, "ctranslate2": _ctranslate2, "llama.cpp": _llama_cpp,
-            "openvino": _openvino}[name]
+def _adapter(name: str, adapter=None):
+    """The function that prepares ``name``: ``adapter`` when given (a module-level
+    function, so that a spawned process can import it), else one of :data:`OTHERS`'."""
+    if adapter is not None:
+        return adapter
+    check_names([name])
+    return {"transformers": _transformers, "ctranslate2": _ctranslate2, "llama.cpp": _llama_cpp}[name]
 
 
 def prepare(name: str, checkpoint: Path, cache_key: str, cache_dir: Path, batch: int, threads: int,
-            kv_tokens: int = 65536, log=print, **options) -> OtherEngine:
-    """The system ``name`` (one of :data:`OTHERS`, or ``"openvino"``) ready to
-    run on ``checkpoint`` with ``batch`` sequences at once on ``threads``
-    threads; converted files are kept in ``cache_dir`` under ``cache_key``.
-    ``kv_tokens``: the KV cache a server must hold (every request's prompt and
-    output at once). ``options``: the system's own settings (OpenVINO's token
-    budget and cache size)."""
-    return _adapter(name)(Path(checkpoint), cache_key, Path(cache_dir), batch, threads, kv_tokens, log, **options)
+            kv_tokens: int = 65536, log=print, adapter=None, **options) -> OtherEngine:
+    """The system ``name`` (one of :data:`OTHERS`, or any system ``adapter``
+    prepares) ready to run on ``checkpoint`` with ``batch`` sequences at once
+    on ``threads`` threads; converted files are kept in ``cache_dir`` under
+    ``cache_key``. ``kv_tokens``: the KV cache a server must hold (every
+    request's prompt and output at once). ``options``: the system's own
+    settings, passed to ``adapter`` (OpenVINO's token budget and cache size)."""
+    return _adapter(name, adapter)(Path(checkpoint), cache_key, Path(cache_dir), batch, threads, kv_tokens, log,
+                                   **options)
 
 
 def start(name: str, checkpoint: Path, cache_key: str, cache_dir: Path, batch: int, threads: int,
-          kv_tokens: int = 65536, log=print, **options) -> OtherEngine:
+          kv_tokens: int = 65536, log=print, adapter=None, **options) -> OtherEngine:
     """:func:`prepare` in a process of its own (spawned): the returned run sends
     the workload over a pipe and waits for the tokens; ``close`` ends the process.
     The process's progress lines (a conversion) come back through ``log``.
     Raises :class:`Unavailable` as :func:`prepare` does."""
-    _adapter(name)
+    _adapter(name, adapter)
     ctx = multiprocessing.get_context("spawn")
     here, there = ctx.Pipe()
     proc = ctx.Process(target=_worker, args=(there, name, str(checkpoint), cache_key, str(cache_dir), batch,
-                                            threads, kv_tokens, options), daemon=True, name=f"cpu-engine-{name}")
+                                            threads, kv_tokens, adapter, options), daemon=True,
+                       name=f"cpu-engine-{name}")
     proc.start()
     there.close()
 
@@ -137,13 +140,13 @@ def start(name: str, checkpoint: Path, cache_key: str, cache_dir: Path, batch: i
     return OtherEngine(name, version, settings, lambda prompts, max_tokens: ask("run", prompts, max_tokens), close)
 
 
-def _worker(conn, name, checkpoint, cache_key, cache_dir, batch, threads, kv_tokens, options) -> None:
+def _worker(conn, name, checkpoint, cache_key, cache_dir, batch, threads, kv_tokens, adapter, options) -> None:
     """The other process of :func:`start`: prepare the system, then run what the pipe asks."""
     torch.set_num_threads(threads)
     log = lambda m: conn.send(("log", m))   # noqa: E731  (the parent's log prints it, or not)
     try:
         other = prepare(name, Path(checkpoint), cache_key, Path(cache_dir), batch, threads, kv_tokens, log,
-                        **options)
+                        adapter, **options)
     except Unavailable as e:
         conn.send(("unavailable", str(e)))
         return
@@ -164,19 +167,6 @@ def _worker(conn, name, checkpoint, cache_key, cache_dir, batch, threads, kv_tok
         pass
     finally:
         other.close()
-
-
-def _openvino(checkpoint, cache_key, cache_dir, batch, threads, kv_tokens, log, max_num_batched_tokens: int,
-              cache_gb: int) -> OtherEngine:
-    from .vs_openvino import _require_openvino, export_openvino, openvino_pipeline, run_openvino
-    ov_genai = _require_openvino()          # ImportError: the parent checked already, so this is rare
-    ir, _ = export_openvino(checkpoint, cache_dir, log)
-    pipe = openvino_pipeline(ir, batch, max_num_batched_tokens, cache_gb, threads)
-    eos = json.loads((checkpoint / "config.json").read_text()).get("eos_token_id")
-    return OtherEngine("openvino", ov_genai.__version__,
-                       f"ContinuousBatchingPipeline, max_num_seqs {batch}, max_num_batched_tokens "
-                       f"{max_num_batched_tokens}, {cache_gb} GB fp32 KV cache, {threads} threads",
-                       lambda prompts, max_tokens: run_openvino(pipe, prompts, max_tokens, eos))
 
 
 def _transformers(checkpoint, cache_key, cache_dir, batch, threads, kv_tokens, log) -> OtherEngine:

@@ -31,6 +31,7 @@ identical greedy tokens in both. OpenVINO GenAI and optimum-intel are optional
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import os
 import shutil
@@ -41,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from .cpu_engines import Unavailable, check_names
+from .cpu_engines import OtherEngine, Unavailable, check_names
 from .cpu_engines import start as start_other
 from .rounds import timed_rounds
 
@@ -167,6 +168,20 @@ def openvino_pipeline(ir: Path, batch: int, max_num_batched_tokens: int, cache_g
     return ov_genai.ContinuousBatchingPipeline(str(ir), sc, "CPU", props)
 
 
+def openvino_adapter(checkpoint, cache_key, cache_dir, batch, threads, kv_tokens, log,
+                     max_num_batched_tokens: int, cache_gb: int):
+    """OpenVINO GenAI's pipeline on ``checkpoint``, as :func:`~.cpu_engines.start`
+    runs it in a process of its own (its ``adapter``)."""
+    ov_genai = _require_openvino()
+    ir, _ = export_openvino(checkpoint, cache_dir, log)
+    pipe = openvino_pipeline(ir, batch, max_num_batched_tokens, cache_gb, threads)
+    eos = json.loads((Path(checkpoint) / "config.json").read_text()).get("eos_token_id")
+    return OtherEngine("openvino", ov_genai.__version__,
+                       f"ContinuousBatchingPipeline, max_num_seqs {batch}, max_num_batched_tokens "
+                       f"{max_num_batched_tokens}, {cache_gb} GB fp32 KV cache, {threads} threads",
+                       lambda prompts, max_tokens: run_openvino(pipe, prompts, max_tokens, eos))
+
+
 def openvino_requests(prompts, max_tokens, eos_token_id: int | list | None = None) -> list[tuple]:
     """(prompt tensor, GenerationConfig) per request: greedy, exactly its own number
     of output tokens (``ignore_eos``). A checkpoint without an EOS token is given
@@ -200,7 +215,6 @@ def compare(model="tiny", size: str | None = None, num_requests: int = 64, batch
     ``also`` that is not installed is skipped, with its reason in ``skipped``."""
     ov_genai = _require_openvino()
     check_names(also)
-    import json
 
     import openvino as ov
     from .bench import cpu_name, warmup
@@ -237,7 +251,7 @@ def compare(model="tiny", size: str | None = None, num_requests: int = 64, batch
     # OpenVINO in a process of its own, like the --also systems (cpu_engines): the
     # engine's process-wide malloc settings (runner/cpu_memory.py) stay out of it
     pipe = start_other("openvino", ckpt, checkpoint_key(ckpt), cache_dir, batch, threads, kv_tokens, log,
-                       max_num_batched_tokens=budget, cache_gb=cache_gb)
+                       adapter=openvino_adapter, max_num_batched_tokens=budget, cache_gb=cache_gb)
     runs = {"openvino": lambda: pipe.run(prompts, max_tokens), "engine": None}
     others, skipped = {"openvino": pipe}, {}
     for name in dict.fromkeys(also):

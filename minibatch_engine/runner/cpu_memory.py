@@ -6,9 +6,12 @@ glibc's ``malloc`` serves a request that large with a fresh ``mmap`` and hands
 it back to the kernel at ``free``; smaller freed memory at the top of the heap
 is also handed back once it passes a threshold. The next step asks for the
 same sizes again, and every new 4 KiB page costs a page fault and a zeroing
-by the kernel on first touch. On this book's machine that was 8,000 faults per
-prompt step of the tiny model and about 100,000 (400 MB) per prompt step of
-the 125M one, a tenth of the step (the CPU appendix measures it).
+by the kernel on first touch. glibc adapts both thresholds to what it sees
+freed, but only part way (the mmap threshold stops at 32 MiB). On this book's
+machine a 2,048-token prompt step of the tiny model took about 16,000 minor
+faults, 2,100 with the thresholds raised (most of those the KV cache's own
+first writes), and 8% less time (the CPU appendix, "Pages from the kernel");
+a 125M model's prompt step took about 100,000 (400 MB) and 14% longer.
 
 :func:`keep_freed_memory` raises both thresholds with ``mallopt``, once per
 process: requests up to :data:`MMAP_THRESHOLD` come from the heap, and freed
