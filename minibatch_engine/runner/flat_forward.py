@@ -12,9 +12,9 @@ the rotary table and the final norm and ``lm_head`` stay in Python. Where the
 attention backend's ``forward`` is wrapped (the profiling harness times it),
 the loop runs in Python instead, calling the kernels directly and that
 ``forward`` once a layer (as it does with ``use_cpp = False``, which the
-appendix uses to measure the difference). Either way it computes what the model's own forward
-computes, with the same kernels in the same order, so the logits are
-bit-identical (``tests/engine/test_flat_forward.py``). The CPU appendix
+appendix uses to measure the difference). Either way it computes what the
+model's own forward computes, with the same kernels in the same order, so the
+logits are bit-identical (``tests/engine/test_flat_forward.py``). The CPU appendix
 measures what it saves a step ("Python between the kernels").
 
 It applies where every piece has its kernel: a llama-family
@@ -34,8 +34,6 @@ from ..attention.cpu_kernel import cpu_kernel_or_none
 from ..kv.quant import is_quantized
 from ..model import fused
 from . import prepack
-
-_NO_BIAS = torch.empty(0)
 
 
 def _has_hooks(model: torch.nn.Module) -> bool:
@@ -90,7 +88,7 @@ class FlatForward:
             self.out_features = [p.out_features for p, _ in layers[0][2:6]]
             self.weights = [t for a, b, *products, ks, vs in layers
                             for t in (a, b, *(x for p, bias in products
-                                              for x in (p.panels, _NO_BIAS if bias is None else bias)), ks, vs)]
+                                              for x in (p.panels, prepack.NO_BIAS if bias is None else bias)), ks, vs)]
         self.from_rows = max(lin.packed_from_rows for lin, _, _ in watch)
         return True
 

@@ -54,7 +54,7 @@ _BATCH_HINT = 64   # oneDNN chooses its blocking for about this many rows; any M
 _PACKED: "weakref.WeakKeyDictionary[nn.Linear, tuple]" = weakref.WeakKeyDictionary()
 
 
-_NO_BIAS = torch.empty(0)
+NO_BIAS = torch.empty(0)   # panel_linear's "no bias" (an empty tensor)
 
 
 def _onednn_available() -> bool:
@@ -87,7 +87,7 @@ class PanelProduct:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
-        out = self.kernel.panel_linear(rows, self.panels, self.out_features, _NO_BIAS if bias is None else bias)
+        out = self.kernel.panel_linear(rows, self.panels, self.out_features, NO_BIAS if bias is None else bias)
         return out if x.dim() == 2 else out.view(*x.shape[:-1], self.out_features)
 
 
