@@ -19,10 +19,10 @@ rounds as OpenVINO GenAI and the engine:
 their thread pools (CTranslate2 brings its own OpenMP runtime), allocators and
 loaded libraries then stay out of the process that times the engine.
 OpenVINO GenAI itself runs the same way (``start("openvino", ...,
-adapter=vs_openvino.openvino_adapter)``), so that
-the engine's process-wide settings (glibc's malloc thresholds,
-:mod:`minibatch_engine.runner.cpu_memory`) do not reach it either. A system that is not installed is skipped with the reason (the
-comparison records it); nothing here is needed by the engine itself.
+adapter=vs_openvino.openvino_adapter)``), so that the engine's process-wide
+settings (glibc's malloc thresholds, :mod:`minibatch_engine.runner.cpu_memory`)
+do not reach it either. A system that is not installed is skipped with the
+reason (the comparison records it); nothing here is needed by the engine itself.
 """
 from __future__ import annotations
 
@@ -68,7 +68,7 @@ def check_names(names) -> None:
 
 def _adapter(name: str, adapter=None):
     """The function that prepares ``name``: ``adapter`` when given (a module-level
-    function, so that a spawned process can import it), else one of :data:`OTHERS`'."""
+    function, so that a spawned process can import it), else one of :data:`OTHERS`."""
     if adapter is not None:
         return adapter
     check_names([name])
