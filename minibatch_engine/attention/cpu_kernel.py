@@ -44,7 +44,7 @@ import torch
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = [CSRC / "paged_attention_cpu.cpp", CSRC / "cpu_ops.cpp", CSRC / "panel_gemm.cpp",
            CSRC / "decoder_layers.cpp", CSRC / "bindings.cpp"]
-HEADERS = [CSRC / "simd_passes.h"]     # part of the cache key: a change rebuilds
+HEADERS = [CSRC / "simd_passes.h", CSRC / "query_block.h"]     # part of the cache key: a change rebuilds
 # -ffast-math is for the compile step only (vectorised exp); see the source's header.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
 LDFLAGS = ["-fopenmp"]

@@ -28,16 +28,25 @@ class SystemResult:
 
 def timed_rounds(runs: dict[str, Callable[[], list[list[int]]]], rounds: int, output_tokens: int,
                  log=print, prepare: dict[str, Callable[[], Callable[[], list[list[int]]]]] | None = None,
-                 ) -> dict[str, SystemResult]:
+                 warmup_rounds: int = 0) -> dict[str, SystemResult]:
     """Run each of ``runs`` (name -> a call returning every request's tokens)
     ``rounds`` times, rotating the order each round; log a line per run.
     ``prepare`` (name -> a call returning the run) builds a system's run
     before its timer starts, as a user's server is built before it serves:
-    for those names ``runs`` is not used."""
+    for those names ``runs`` is not used. ``warmup_rounds`` whole rounds go
+    first, untimed and not recorded: each system's first-use costs (allocations,
+    kernel choices, caches sized on first sight of the workload) land there."""
     prepare = prepare or {}
     names = tuple(runs)
     width = max(map(len, names))
     results = {name: SystemResult(name) for name in names}
+    for w in range(warmup_rounds):
+        for name in names:
+            run = prepare[name]() if name in prepare else runs[name]
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                run()
+            log(f"warm-up {w + 1}/{warmup_rounds}  {name:<{width}} {time.perf_counter() - t0:7.2f} s (untimed)")
     for r in range(rounds):
         k = r % len(names)
         for name in names[k:] + names[:k]:

@@ -208,11 +208,13 @@ def run_openvino(pipe, prompts, max_tokens, eos_token_id: int | list | None = No
 
 def compare(model="tiny", size: str | None = None, num_requests: int = 64, batch: int = 64, seed: int = 0,
             rounds: int = 3, threads: int = 2, attention_backend: str = "auto", workload: str = "uniform",
-            cache_dir: str | Path = DEFAULT_CACHE, also: tuple[str, ...] = (), log=print) -> dict:
+            cache_dir: str | Path = DEFAULT_CACHE, also: tuple[str, ...] = (), warmup_rounds: int = 1,
+            log=print) -> dict:
     """Run OpenVINO GenAI and the engine (and each system of ``also``, from
     :data:`~.cpu_engines.OTHERS`) ``rounds`` times each, rotating who goes
-    first; return a summary dict (see :func:`format_comparison`). A system of
-    ``also`` that is not installed is skipped, with its reason in ``skipped``."""
+    first, after ``warmup_rounds`` untimed rounds of the whole workload; return
+    a summary dict (see :func:`format_comparison`). A system of ``also`` that is
+    not installed is skipped, with its reason in ``skipped``."""
     ov_genai = _require_openvino()
     check_names(also)
 
@@ -275,7 +277,8 @@ def compare(model="tiny", size: str | None = None, num_requests: int = 64, batch
     try:
         for other in others.values():
             other.run(prompts[:2], [4, 4])
-        results = timed_rounds(runs, rounds, output_tokens, log, prepare={"engine": engine_run})
+        results = timed_rounds(runs, rounds, output_tokens, log, prepare={"engine": engine_run},
+                               warmup_rounds=warmup_rounds)
     finally:
         for other in others.values():
             other.close()
@@ -286,7 +289,7 @@ def compare(model="tiny", size: str | None = None, num_requests: int = 64, batch
     return {
         "checkpoint": str(ckpt), "ir": str(ir), "exported_now": exported, "parameters": n_params,
         "workload": workload, "num_requests": num_requests, "batch": batch, "seed": seed, "rounds": rounds,
-        "threads": threads, "attention_backend": attention_backend, "output_tokens": output_tokens,
+        "warmup_rounds": warmup_rounds, "threads": threads, "attention_backend": attention_backend, "output_tokens": output_tokens,
         "max_num_batched_tokens": budget, "openvino_kv_cache_gb": cache_gb,
         "torch": torch.__version__, "openvino": ov.__version__, "openvino_genai": ov_genai.__version__,
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()), "cpu": f"{cpu_name()} ({os.cpu_count()} CPUs)",
@@ -314,7 +317,8 @@ def format_comparison(s: dict) -> str:
     lines = [f"{Path(s['checkpoint']).name} ({s['parameters'] / 1e6:.1f}M parameters) on the {s['workload']} "
              f"workload: {s['num_requests']} requests, {s['output_tokens']:,} output tokens, greedy, fixed "
              f"lengths; batch {s['batch']}, {s['threads']} threads, fp32 weights and KV, {s['rounds']} "
-             f"alternating round{'s' if s['rounds'] > 1 else ''} (torch {s['torch']}, "
+             f"alternating round{'s' if s['rounds'] > 1 else ''} after {s.get('warmup_rounds', 0)} untimed "
+             f"(torch {s['torch']}, "
              f"OpenVINO GenAI {s['openvino_genai']})"]
     width = max(10, *(len(name) + 2 for name in s["systems"]))
     lines.append(f"  {'system':<{width}}{'median tok/s':>14}   per round")

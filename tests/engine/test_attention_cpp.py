@@ -53,6 +53,61 @@ def test_simd_path_matches_the_reference(dtype, head_dim):
         assert_matches_reference(backend, case, cache=False)
 
 
+def _prompt_in_chunks(kernel, chunks, head_dim, others=0, simd=True, seed=3):
+    """A float32 prompt of sum(chunks) tokens (Hq 4, Hkv 2) attended chunk by chunk
+    through a paged pool of 16-slot blocks, each chunk in a step beside ``others``
+    decode rows of other sequences; returns the prompt's output rows."""
+    gen = torch.Generator().manual_seed(seed)
+    L, bs, Hq, Hkv = sum(chunks), 16, 4, 2
+    rand = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    q, k, v = rand(L, Hq, head_dim), rand(L, Hkv, head_dim), rand(L, Hkv, head_dim)
+    blocks = -(-L // bs) + 8 * others
+    perm = torch.randperm(blocks + 2, generator=gen)
+    k_cache, v_cache = rand(len(perm) * bs, Hkv, head_dim), rand(len(perm) * bs, Hkv, head_dim)
+    table = perm[:-(-L // bs)]
+    other_tables = perm[-(-L // bs):blocks].view(max(others, 1), -1)[:others] if others else None
+    outs, done = [], 0
+    for n in chunks:
+        rows = slice(done, done + n)
+        slots = table[torch.arange(done, done + n) // bs] * bs + torch.arange(done, done + n) % bs
+        width = max(len(table), other_tables.shape[1] if others else 0)
+        tables = [torch.nn.functional.pad(table, (0, width - len(table)))]
+        qs, ks, vs, sl, lens = [q[rows]], [k[rows]], [v[rows]], [slots], [done + n]
+        for o in range(others):     # a decode row with context 100 + 7 o beside the chunk
+            ctx = 100 + 7 * o
+            tables.append(torch.nn.functional.pad(other_tables[o], (0, width - other_tables.shape[1])))
+            qs.append(rand(1, Hq, head_dim)), ks.append(rand(1, Hkv, head_dim)), vs.append(rand(1, Hkv, head_dim))
+            sl.append(other_tables[o][(ctx - 1) // bs].view(1) * bs + (ctx - 1) % bs), lens.append(ctx)
+        query_start = torch.tensor([0, n] + [n + o + 1 for o in range(others)])
+        out = kernel.paged_attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), k_cache, v_cache,
+                                     torch.cat(sl).long(), torch.stack(tables).long().contiguous(),
+                                     torch.tensor(lens), query_start, bs, simd)
+        outs.append(out[:n])
+        done += n
+    return torch.cat(outs)
+
+
+@needs_kernel
+@pytest.mark.parametrize("head_dim", CHECKPOINT_HEAD_SIZES)
+def test_prompt_query_blocks_do_not_depend_on_the_chunking(head_dim):
+    """float32 prompts take the query-block path (query_block.h: up to a vector's
+    width of queries at once, one head): a query's output is bit for bit the same
+    whatever chunks split the prompt and whatever decode rows share the step, and
+    agrees with the per-token plain loops to float32 rounding."""
+    kernel = cpu_kernel.load_cpu_kernel()
+    whole = _prompt_in_chunks(kernel, [77], head_dim)
+    for chunks, others in (([5, 16, 3, 30, 23], 0), ([40, 37], 3), ([2] * 38 + [1], 2)):
+        got = _prompt_in_chunks(kernel, chunks, head_dim, others)
+        if chunks[-1] == 1:    # a lone new token is a decode row: the per-token walk, other rounding
+            assert torch.equal(got[:-1], whole[:-1])
+            torch.testing.assert_close(got[-1:], whole[-1:], rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(got, whole), chunks
+    plain = _prompt_in_chunks(kernel, [77], head_dim, simd=False)
+    torch.testing.assert_close(whole, plain, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(whole, plain)     # really another path: the summation order differs
+
+
 @needs_kernel
 @pytest.mark.parametrize("head_dim", CHECKPOINT_HEAD_SIZES)
 def test_bfloat16_caches_take_the_simd_passes_too(head_dim):

@@ -82,6 +82,27 @@ def test_a_prepared_system_is_built_before_its_timer_starts(monkeypatch):
     assert res["a"].seconds == [1.0, 1.0] and res["a"].tokens == [[1]]
 
 
+def test_warmup_rounds_run_every_system_untimed_before_the_timed_rounds(monkeypatch):
+    """A warm-up round runs each system's whole workload (built fresh, as in a
+    timed round) and records nothing; the timed rounds record only their own."""
+    from minibatch_engine.harness import rounds
+    events = []
+    clock = iter(range(100))
+
+    def perf_counter():
+        events.append("clock")
+        return float(next(clock))
+
+    monkeypatch.setattr(rounds.time, "perf_counter", perf_counter)
+    runs = {"a": lambda: events.append("a") or [[1]], "b": None}
+    prepare = {"b": lambda: events.append("build b") or (lambda: events.append("b") or [[2]])}
+    res = rounds.timed_rounds(runs, 1, 10, log=lambda *_: None, prepare=prepare, warmup_rounds=1)
+    warm = events[:events.index("b") + 1]
+    assert [e for e in warm if e != "clock"] == ["a", "build b", "b"]
+    assert res["a"].seconds == [1.0] and res["b"].seconds == [1.0]
+    assert res["a"].tokens == [[1]] and res["b"].tokens == [[2]]
+
+
 @needs_openvino
 def test_also_adds_systems_to_the_rounds_and_skips_missing_ones(two_layer_checkpoint, tmp_path, monkeypatch):
     """``--also``: another engine joins the same rounds, its ratio and token

@@ -13,6 +13,10 @@
 // al. 2022). One item serves all the token's heads, so each K/V row (all KV
 // heads, contiguous in the pool) is brought into cache once and read by the
 // G = Hq / Hkv query heads that share each KV head (grouped-query attention).
+// A float32 sequence with several new tokens (a prompt or a chunk of one) is
+// cut instead into blocks of up to W queries and one head each, walked with
+// the queries along a vector's lanes (query_block.h): no horizontal sums, and
+// the softmax bookkeeping done for W queries at once.
 //
 // With a cache, the step's new K/V are first written to their slots
 // (slot_mapping), then read back like any other key. Without a cache the keys
@@ -49,6 +53,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "query_block.h"
 #include "simd_passes.h"
 
 namespace {
@@ -244,12 +249,31 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
   };
   const acc_t lowest = std::numeric_limits<acc_t>::lowest();
 
+  // Work items: a query token (all its heads), or, for a sequence with several new
+  // tokens in a float32 step, a block of up to W of them and one head (query_block.h).
+  constexpr bool blocks_ok = simd_ok && std::is_same_v<scalar_t, float>;
+  constexpr int64_t W = Simd<acc_t>::width;
+  struct Item { int64_t t, nq, h; };   // nq == 0: token t, every head
+  std::vector<Item> items;
+  items.reserve(T);
+  for (int64_t s = 0; s < S; ++s) {
+    const int64_t q_len = qs[s + 1] - qs[s];
+    if (blocks_ok && simd && q_len > 1) {
+      for (int64_t t0 = qs[s]; t0 < qs[s + 1]; t0 += W)
+        for (int64_t h = 0; h < Hq; ++h) items.push_back({t0, std::min(W, qs[s + 1] - t0), h});
+    } else {
+      for (int64_t t = qs[s]; t < qs[s + 1]; ++t) items.push_back({t, 0, 0});
+    }
+  }
+  const int64_t num_items = static_cast<int64_t>(items.size());
   // Work items are cut round-robin into a few chunks per thread, so long and short
   // contexts are spread over the threads whatever order the batch is in.
-  const int64_t chunks = std::min<int64_t>(T, 8 * at::get_num_threads());
+  const int64_t chunks = std::min<int64_t>(num_items, 8 * at::get_num_threads());
   at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
     std::vector<acc_t> qf(Hq * D), acc(Hq * D), m(Hq), l(Hq), score(Hq * TILE);
     std::vector<int64_t> slot(TILE), next_slot(TILE);
+    // a query block's scratch (query_block.h): transposed queries, accumulators, scores
+    std::vector<float> block_buf(blocks_ok && simd ? (2 * D + TILE) * W : 0);
     std::vector<acc_t> row_buf(quantized ? row : 0);   // one decoded K or V row (all KV heads)
     // a tile's two inner loops: the explicit-SIMD passes where they apply, else the plain loops
     auto scores = [&](int64_t n) {
@@ -279,8 +303,18 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       if constexpr (!quantized) weighted_sum_plain(acc.data(), score.data(), vp, v_row, slot.data(), n, Hq, G, D);
     };
     for (int64_t c = chunk_begin; c < chunk_end; ++c)
-    for (int64_t t = c; t < T; t += chunks) {
+    for (int64_t it = c; it < num_items; it += chunks) {
+      const int64_t t = items[it].t;
       const int64_t s = seq_of[t];
+      if constexpr (blocks_ok) if (items[it].nq > 0) {
+        const int64_t h = items[it].h, first_pos = sl[s] - (qs[s + 1] - qs[s]) + (t - qs[s]);
+        float* b = block_buf.data();
+        minibatch_simd::attend_query_block<DC, TILE>(
+            op, Hq, qp, q_stride, t, items[it].nq, first_pos, h, h / G, kp, k_row, vp, v_row, scale,
+            [&](int64_t start, int64_t n, int64_t* sl_out) { fill_slots(s, start, n, sl_out); },
+            {b, b + D * W, b + 2 * D * W, slot.data()});
+        continue;
+      }
       const int64_t q_len = qs[s + 1] - qs[s];
       const int64_t num_keys = sl[s] - q_len + (t - qs[s]) + 1;  // causal: keys 0 .. own position
       for (int64_t h = 0; h < Hq; ++h) {
