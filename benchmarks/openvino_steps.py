@@ -1,6 +1,6 @@
 """OpenVINO GenAI beside the engine, step by step.
 
-    python benchmarks/openvino_steps.py [--size tiny] [--rounds 3] [--out benchmarks/openvino_steps_tiny.json]
+    python benchmarks/openvino_steps.py [--size tiny | --model DIR] [--rounds 3] [--out benchmarks/openvino_steps_tiny.json]
 
 Runs ``bench --vs-openvino``'s workload (64 requests, greedy, fixed lengths,
 fp32, two threads, at most 64 running) through OpenVINO GenAI's
@@ -80,6 +80,7 @@ def openvino_stepwise(pipe, prompts, max_tokens, eos) -> list[tuple[float, int]]
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--size", choices=("tiny", "125m"), default="tiny")
+    ap.add_argument("--model", default=None, help="a local Hugging Face Llama checkpoint instead of --size")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -91,7 +92,7 @@ def main(argv=None) -> int:
     from minibatch_engine.harness.workload import make_workload
     from minibatch_engine.model.registry import resolve_model
     threads, batch = 2, 64
-    ckpt = make_checkpoint(args.size, DEFAULT_CACHE)
+    ckpt = Path(args.model) if args.model else make_checkpoint(args.size, DEFAULT_CACHE)
     ir, _ = export_openvino(ckpt, DEFAULT_CACHE, log=lambda m: print(m, file=sys.stderr))
     torch.set_num_threads(threads)
     ours = resolve_model(str(ckpt), device="cpu", dtype="float32")
@@ -127,7 +128,7 @@ def main(argv=None) -> int:
     def best(name):   # the round with the least total time
         return min(runs[name], key=lambda steps: sum(st[0] for st in steps))
     summary = {
-        "size": args.size, "parameters": sum(p.numel() for p in ours.parameters()), "rounds": args.rounds,
+        "size": args.model or args.size, "parameters": sum(p.numel() for p in ours.parameters()), "rounds": args.rounds,
         "threads": threads, "batch": batch, "output_tokens": sum(max_tokens), "prompt_steps": prefill_steps,
         "cpu": f"{cpu_name()} ({os.cpu_count()} CPUs)", "torch": torch.__version__,
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),

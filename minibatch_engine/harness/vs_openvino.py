@@ -265,12 +265,20 @@ def compare(model="tiny", size: str | None = None, num_requests: int = 64, batch
     for name, other in others.items():
         runs.setdefault(name, lambda o=other: o.run(prompts, max_tokens))
 
+    thread_changes = []     # per engine run: how often its load follower changed the threads
+
     def engine_run():
         """A fresh engine holding the workload, built before the timer (as the
         pipeline is): its run returns every request's tokens."""
         eng, reqs = engine_for(ours, prompts, max_tokens, batch, attention_backend, threads,
                                kv_budget_bytes=cache_gb * 2**30, enable_prefix_caching=False)
-        return lambda: (eng.run(), [list(r.output_token_ids) for r in reqs])[1]
+
+        def run():
+            eng.run()
+            follower = getattr(eng.runner, "load_follower", None)
+            thread_changes.append(follower.changes if follower is not None else 0)
+            return [list(r.output_token_ids) for r in reqs]
+        return run
 
     log(f"warming up {len(runs)} systems (untimed)...")
     warmup(ours)
@@ -299,6 +307,7 @@ def compare(model="tiny", size: str | None = None, num_requests: int = 64, batch
                            "tokens_per_second": output_tokens / statistics.median(res.seconds)}
                     for name, res in results.items()},
         "engine_vs_openvino_per_round": per_round,
+        "engine_thread_changes_per_round": thread_changes[-rounds:],
         "engine_vs_openvino_median": statistics.median(per_round),
         "requests_token_equal": token_agreement(eng_toks, ov_toks),
         "first_difference_positions": [d for d in diffs if d is not None],
@@ -327,6 +336,10 @@ def format_comparison(s: dict) -> str:
         lines.append(f"  {name:<{width}}{r['tokens_per_second']:>14,.0f}   {rounds}")
     lines.append(f"  engine / OpenVINO: {ratio:.2f}x (median of the per-round ratios "
                  f"{', '.join(f'{x:.2f}' for x in s['engine_vs_openvino_per_round'])})")
+    changes = s.get("engine_thread_changes_per_round", [])
+    if any(changes):
+        lines.append(f"  the engine's load follower changed its threads in the rounds: {changes} times "
+                     "(other processes took CPU time)")
     lines.append(f"  token agreement: {s['requests_token_equal']}/{s['num_requests']} requests identical"
                  + (f" (first differences at output positions {sorted(s['first_difference_positions'])[:8]})"
                     if s["first_difference_positions"] else ""))

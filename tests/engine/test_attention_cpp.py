@@ -109,6 +109,27 @@ def test_prompt_query_blocks_do_not_depend_on_the_chunking(head_dim):
 
 
 @needs_kernel
+def test_threads_take_the_work_items_in_any_order_with_the_same_result():
+    """The threads take work items longest first from a shared counter, so which
+    thread computes an item changes from call to call: every item writes only its
+    own rows, so the output is bit for bit the same on 1, 2 and 3 threads."""
+    from .attention_cases import run_backend
+    backend = get_attention_backend("cpp")
+    gen = torch.Generator().manual_seed(11)
+    case = random_batch(gen, "mixed", 16, 8, 2, 64, torch.float32, num_seqs=9, max_len=300)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3, 2):
+            torch.set_num_threads(threads)
+            outs.append(run_backend(backend, case)[0])
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(out, outs[0]) for out in outs[1:])
+    assert_matches_reference(backend, case)
+
+
+@needs_kernel
 @pytest.mark.parametrize("head_dim", CHECKPOINT_HEAD_SIZES)
 def test_bfloat16_caches_take_the_simd_passes_too(head_dim):
     """A bfloat16 cache is read as float32 vectors in the SIMD passes: close to

@@ -7,7 +7,7 @@ import json
 
 from minibatch_engine import Engine, EngineConfig, SamplingParams
 from minibatch_engine.book import gpu_check_report as report
-from minibatch_engine.book import kv_reads
+from minibatch_engine.book import kv_reads, prompt_blocks
 
 
 def test_the_synthetic_step_reads_what_it_says(tiny32):
@@ -22,6 +22,23 @@ def test_the_synthetic_step_reads_what_it_says(tiny32):
     assert rates["pool_mib"] == step.bytes_per_layer * 2 / 2**20
     loops = kv_reads.loop_rates(cfg, rounds=2, seqs=4, context=32, layers=2, block_size=8)
     assert loops["simd"] > 0 and loops["plain"] > 0
+
+
+def test_a_prompt_as_one_prompt_and_as_one_token_rows_is_the_same_attention(tiny32):
+    """prompt_blocks hands the kernel one prompt, then its queries as rows of one
+    token over the same keys: the same outputs to float32 rounding, both timed."""
+    import torch
+    from minibatch_engine.attention.cpu_kernel import load_cpu_kernel
+    kernel = load_cpu_kernel()
+    case = prompt_blocks.prompt_case(tiny32.config, 40, block_size=8)
+    rows = case["rows"]
+    assert rows[7].tolist() == list(range(1, 41)) and rows[8].tolist() == list(range(41))
+    a, b = kernel.paged_attention(*case["prompt"]), kernel.paged_attention(*rows)
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert case["pairs"] == 40 * 41 // 2 * tiny32.config.num_heads
+    got = prompt_blocks.prompt_paths(tiny32.config, 40, rounds=2)
+    assert got["ns_prompt"] > 0 and got["ns_rows"] > 0 and len(got["ratios"]) == 2
+    assert got["max_abs_diff"] < 1e-4
 
 
 def test_the_decode_read_rate_counts_decode_steps_only(tiny32):

@@ -54,6 +54,9 @@ def test_report_fields_agreement_and_ir_cache(two_layer_checkpoint, tmp_path):
     assert "token agreement: 4/4" in format_comparison(s)
     assert s["others"] == {} and s["skipped"] == {}
     assert s["openvino_settings"].startswith("ContinuousBatchingPipeline")    # run in a process of its own
+    # one untimed round of the whole workload first; the load follower's changes, per timed round
+    assert s["warmup_rounds"] == 1 and "after 1 untimed" in format_comparison(s)
+    assert len(s["engine_thread_changes_per_round"]) == 1
     xml = tmp_path / s["ir"].rsplit("/", 1)[-1] / "openvino_model.xml"
     before = xml.stat().st_mtime_ns
     ir, exported = export_openvino(two_layer_checkpoint, tmp_path, log=lambda *a: None)

@@ -3,7 +3,7 @@
 // The same algorithm as the Triton kernel (triton_kernel.py), written as a C++
 // loop for a CPU: no gather, no padding, no score matrix in memory.
 //
-// One work item per query token (at::parallel_for over torch's threads). For its
+// One work item per query token (torch's threads take them, longest first). For its
 // sequence s and absolute position i, the item walks key
 // positions p = 0 .. i in tiles of TILE, finds each key's slot through the
 // block table (slot = block_tables[s][p / block_size] * block_size +
@@ -47,9 +47,11 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <numeric>
 #include <type_traits>
 #include <vector>
 
@@ -266,10 +268,29 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
     }
   }
   const int64_t num_items = static_cast<int64_t>(items.size());
-  // Work items are cut round-robin into a few chunks per thread, so long and short
-  // contexts are spread over the threads whatever order the batch is in.
-  const int64_t chunks = std::min<int64_t>(num_items, 8 * at::get_num_threads());
-  at::parallel_for(0, chunks, 1, [&](int64_t chunk_begin, int64_t chunk_end) {
+  // The threads take items from a shared counter, each taking the next one when it is
+  // done: they finish together whatever mix of contexts the batch holds, and a thread
+  // slowed by another process on its core takes fewer. The costliest sequences come
+  // first (a sequence's items stay together, so the threads share its K/V in cache),
+  // and within a sequence the longest items. An item's cost is its keys times the
+  // vector passes per key: one per head for a token, W queries at once for a block.
+  // Each item writes only its own rows, so the order changes no result.
+  std::vector<int64_t> cost(num_items), order(num_items), seq_cost(S, 0);
+  for (int64_t i = 0; i < num_items; ++i) {
+    const Item& w = items[i];
+    const int64_t s = seq_of[w.t], keys = sl[s] - (qs[s + 1] - qs[s]) + (w.t - qs[s]) + std::max<int64_t>(w.nq, 1);
+    cost[i] = keys * (w.nq > 0 ? W : Hq);
+    seq_cost[s] += cost[i];
+  }
+  std::iota(order.begin(), order.end(), int64_t(0));
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) {
+    const int64_t sa = seq_of[items[a].t], sb = seq_of[items[b].t];
+    if (sa != sb) return seq_cost[sa] != seq_cost[sb] ? seq_cost[sa] > seq_cost[sb] : sa < sb;
+    return cost[a] > cost[b];
+  });
+  std::atomic<int64_t> next_item{0};
+  const int64_t workers = std::min<int64_t>(num_items, at::get_num_threads());
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) {
     std::vector<acc_t> qf(Hq * D), acc(Hq * D), m(Hq), l(Hq), score(Hq * TILE);
     std::vector<int64_t> slot(TILE), next_slot(TILE);
     // a query block's scratch (query_block.h): transposed queries, accumulators, scores
@@ -302,8 +323,9 @@ void attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const
       }
       if constexpr (!quantized) weighted_sum_plain(acc.data(), score.data(), vp, v_row, slot.data(), n, Hq, G, D);
     };
-    for (int64_t c = chunk_begin; c < chunk_end; ++c)
-    for (int64_t it = c; it < num_items; it += chunks) {
+    for (int64_t k = next_item.fetch_add(1, std::memory_order_relaxed); k < num_items;
+         k = next_item.fetch_add(1, std::memory_order_relaxed)) {
+      const int64_t it = order[k];
       const int64_t t = items[it].t;
       const int64_t s = seq_of[t];
       if constexpr (blocks_ok) if (items[it].nq > 0) {
