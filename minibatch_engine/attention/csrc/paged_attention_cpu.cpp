@@ -24,8 +24,8 @@
 // is in float32 (float64 for float64 inputs, so the float64 checks stay exact).
 //
 // A tile's two inner loops, the scores and the weighted sum, are plain loops
-// here (scores_plain, weighted_sum_plain). For float32 and float64 caches with a
-// head size of 64 or 128 they run as explicit-SIMD passes instead
+// here (scores_plain, weighted_sum_plain). For float32, float64 and bfloat16 caches
+// with a head size of 32, 64, 80, 96 or 128 they run as explicit-SIMD passes instead
 // (simd_passes.h): the same arithmetic, a few heads' rows held in vector
 // registers. Every index the kernel follows (slots, block-table entries,
 // sequence lengths) is checked against the pool before any work starts.
