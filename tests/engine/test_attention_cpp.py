@@ -110,9 +110,10 @@ def test_prompt_query_blocks_do_not_depend_on_the_chunking(head_dim):
 
 @needs_kernel
 def test_threads_take_the_work_items_in_any_order_with_the_same_result():
-    """The threads take work items longest first from a shared counter, so which
-    thread computes an item changes from call to call: every item writes only its
-    own rows, so the output is bit for bit the same on 1, 2 and 3 threads."""
+    """The threads take work items from a shared counter (costliest sequences
+    first), so which thread computes an item changes from call to call: every item
+    writes only its own rows, so the output is bit for bit the same on 1, 2 and 3
+    threads."""
     from .attention_cases import run_backend
     backend = get_attention_backend("cpp")
     gen = torch.Generator().manual_seed(11)
